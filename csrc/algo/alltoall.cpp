@@ -1,0 +1,118 @@
+#include "../../kernels/copy.hpp"
+#include "collective.hpp"
+
+namespace cam {
+
+AllToAllOp::AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadline, int dtype,
+                       std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
+                       std::vector<at::Tensor> keep_alive,
+                       std::vector<std::pair<at::Tensor, at::Tensor>> copy_back,
+                       std::vector<at::Tensor> outputs)
+    : CollectiveOp(name, CollKind::kAllToAll, seq, deadline), dtype_(dtype),
+      send_(std::move(send)), recv_(std::move(recv)), keep_alive_(std::move(keep_alive)),
+      copy_back_(std::move(copy_back)), sent_(send_.size(), 0), received_(recv_.size(), 0) {
+  outputs_ = std::move(outputs);
+}
+
+void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
+  d->dtype = dtype_;
+  int64_t* s = ctx.L.desc_send_bytes(d);
+  int64_t* r = ctx.L.desc_recv_bytes(d);
+  for (int j = 0; j < ctx.world; ++j) {
+    s[j] = send_[j].nbytes;
+    r[j] = recv_[j].nbytes;
+  }
+}
+
+void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
+  auto who = [&](int r) { return r == ctx.rank ? std::string("this rank") : str("rank ", r); };
+  for (int r = 0; r < ctx.world; ++r) {
+    if (descs[r]->dtype != dtype_) {
+      refuse(ctx, str(who(r), " exchanges ", dtype_name(descs[r]->dtype), " while this rank exchanges ",
+                      dtype_name(dtype_)));
+    }
+  }
+  for (int a = 0; a < ctx.world; ++a) {
+    const int64_t* sends = ctx.L.desc_send_bytes(const_cast<CollDesc*>(descs[a]));
+    for (int b = 0; b < ctx.world; ++b) {
+      const int64_t* recvs = ctx.L.desc_recv_bytes(const_cast<CollDesc*>(descs[b]));
+      if (sends[b] != recvs[a]) {
+        refuse(ctx, str(who(a), " sends ", describe_bytes(sends[b], dtype_), " to ", who(b), " but ",
+                        who(b), " expects ", describe_bytes(recvs[a], dtype_), " from ", who(a),
+                        " (input split ", b, " on rank ", a, " must equal output split ", a,
+                        " on rank ", b, ")"));
+      }
+    }
+  }
+}
+
+bool AllToAllOp::data_step(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  const int me = ctx.rank, n = ctx.world;
+  if (nslots_ == 0) {
+    region_bytes_ = L.coll_bytes() / n / 64 * 64;
+    slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, region_bytes_ / 2) / 64 * 64;
+    nslots_ = region_bytes_ / slot_bytes_;
+  }
+  auto chunks = [&](int64_t bytes) { return (bytes + slot_bytes_ - 1) / slot_bytes_; };
+  bool progress = false;
+  if (!local_done_) {
+    kernels::copy_bytes(recv_[me].ptr, send_[me].ptr, send_[me].nbytes);
+    local_done_ = true;
+    progress = true;
+  }
+  bool all_done = true;
+  char* my_region = L.coll_region(ctx.me);
+  // Peers are visited in a rotated order so that ranks do not all hit one peer at once.
+  for (int d = 1; d < n; ++d) {
+    const int dst = (me + d) % n;
+    const int64_t nsend = chunks(send_[dst].nbytes);
+    if (sent_[dst] < nsend) {
+      const uint64_t released = signal_acquire(L.consumed(ctx.peer(dst), me));
+      char* ring = my_region + dst * region_bytes_;
+      while (sent_[dst] < nsend) {
+        const int64_t k = sent_[dst];
+        if (k >= nslots_ && released < stream_value(seq(), k - nslots_ + 1)) {
+          waiting(dst, "release of an all-to-all slot");
+          break;
+        }
+        const int64_t off = k * slot_bytes_;
+        kernels::copy_bytes(ring + (k % nslots_) * slot_bytes_, send_[dst].ptr + off,
+                            std::min(slot_bytes_, send_[dst].nbytes - off));
+        kernels::store_fence();
+        signal_release(L.produced(ctx.me, dst), stream_value(seq(), k + 1));
+        ++sent_[dst];
+        progress = true;
+      }
+      all_done &= sent_[dst] == nsend;
+    }
+    const int src = (me - d + n) % n;
+    const int64_t nrecv = chunks(recv_[src].nbytes);
+    if (received_[src] < nrecv) {
+      const uint64_t ready = signal_acquire(L.produced(ctx.peer(src), me));
+      const char* ring = L.coll_region(ctx.peer(src)) + me * region_bytes_;
+      while (received_[src] < nrecv) {
+        const int64_t k = received_[src];
+        if (ready < stream_value(seq(), k + 1)) {
+          waiting(src, "all-to-all data");
+          break;
+        }
+        const int64_t off = k * slot_bytes_;
+        kernels::copy_bytes(recv_[src].ptr + off, ring + (k % nslots_) * slot_bytes_,
+                            std::min(slot_bytes_, recv_[src].nbytes - off));
+        signal_release(L.consumed(ctx.me, src), stream_value(seq(), k + 1));
+        ++received_[src];
+        progress = true;
+      }
+      all_done &= received_[src] == nrecv;
+    }
+  }
+  if (all_done) mark_done();
+  return progress;
+}
+
+void AllToAllOp::finalize() {
+  for (auto& [dst, src] : copy_back_) dst.copy_(src);
+}
+
+}  // namespace cam

@@ -1,0 +1,94 @@
+#include "../../kernels/copy.hpp"
+#include "collective.hpp"
+
+namespace cam {
+
+BroadcastOp::BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, at::Tensor tensor)
+    : CollectiveOp("broadcast", CollKind::kBroadcast, seq, deadline), root_(root),
+      user_(std::move(tensor)) {
+  // The root streams from a contiguous view of its data; a receiver lands bytes in a
+  // contiguous buffer and copies into a strided tensor once at the end.
+  buf_ = user_.contiguous();
+  nbytes_ = int64_t(buf_.nbytes());
+}
+
+void BroadcastOp::fill_desc(Context&, CollDesc* d) {
+  d->root = root_;
+  d->dtype = int32_t(buf_.scalar_type());
+  d->elem_size = int32_t(buf_.element_size());
+  d->nbytes = nbytes_;
+}
+
+void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
+  for (int r = 0; r < ctx.world; ++r) {
+    if (descs[r]->root != root_) {
+      refuse(ctx, str("rank ", r, " broadcasts from root ", descs[r]->root,
+                      " while this rank uses root ", root_));
+    }
+  }
+  const CollDesc* root = descs[root_];
+  for (int r = 0; r < ctx.world; ++r) {
+    const CollDesc* d = descs[r];
+    if (d->nbytes != root->nbytes || d->dtype != root->dtype) {
+      refuse(ctx, str("root rank ", root_, " broadcasts ", describe_bytes(root->nbytes, root->dtype),
+                      " but ", r == ctx.rank ? std::string("this rank") : str("rank ", r),
+                      "'s tensor holds ", describe_bytes(d->nbytes, d->dtype)));
+    }
+  }
+}
+
+bool BroadcastOp::data_step(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  if (nslots_ == 0) {
+    slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, L.coll_bytes() / 2) / 64 * 64;
+    nslots_ = L.coll_bytes() / slot_bytes_;
+    nchunks_ = (nbytes_ + slot_bytes_ - 1) / slot_bytes_;
+  }
+  char* data = static_cast<char*>(buf_.data_ptr());
+  bool progress = false;
+  if (ctx.rank == root_) {
+    char* region = L.coll_region(ctx.me);
+    for (; next_chunk_ < nchunks_; ++next_chunk_) {
+      const int64_t k = next_chunk_;
+      if (k >= nslots_) {  // slot k % nslots last held chunk k - nslots: all readers done?
+        for (int p = 0; p < ctx.world; ++p) {
+          if (p != ctx.rank &&
+              signal_acquire(L.consumed(ctx.peer(p), root_)) < stream_value(seq(), k - nslots_ + 1)) {
+            waiting(p, "release of a broadcast slot");
+            return progress;
+          }
+        }
+      }
+      const int64_t off = k * slot_bytes_;
+      kernels::copy_bytes(region + (k % nslots_) * slot_bytes_, data + off,
+                          std::min(slot_bytes_, nbytes_ - off));
+      kernels::store_fence();
+      signal_release(L.produced(ctx.me, root_), stream_value(seq(), k + 1));
+      progress = true;
+    }
+  } else {
+    const char* region = L.coll_region(ctx.peer(root_));
+    const uint64_t ready = signal_acquire(L.produced(ctx.peer(root_), root_));
+    for (; next_chunk_ < nchunks_; ++next_chunk_) {
+      const int64_t k = next_chunk_;
+      if (ready < stream_value(seq(), k + 1)) {
+        waiting(root_, "broadcast data");
+        return progress;
+      }
+      const int64_t off = k * slot_bytes_;
+      kernels::copy_bytes(data + off, region + (k % nslots_) * slot_bytes_,
+                          std::min(slot_bytes_, nbytes_ - off));
+      signal_release(L.consumed(ctx.me, root_), stream_value(seq(), k + 1));
+      progress = true;
+    }
+  }
+  mark_done();
+  return true;
+}
+
+void BroadcastOp::finalize() {
+  if (!buf_.is_same(user_)) user_.copy_(buf_);
+  outputs_ = {user_};
+}
+
+}  // namespace cam

@@ -1,0 +1,66 @@
+#include "collective.hpp"
+
+#include <cstring>
+
+namespace cam {
+
+const char* coll_kind_name(CollKind k) {
+  switch (k) {
+    case CollKind::kBarrier: return "barrier";
+    case CollKind::kBroadcast: return "broadcast";
+    case CollKind::kAllToAll: return "all_to_all";
+  }
+  return "unknown collective";
+}
+
+void CollectiveOp::refuse(Context& ctx, const std::string& what) const {
+  throw ValidationError(where(ctx.rank) + ": " + what);
+}
+
+bool CollectiveOp::step(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  bool progress = false;
+  if (phase_ == Phase::kPublish) {
+    CollDesc* d = L.desc(ctx.me, seq());
+    std::memset(d, 0, L.desc_slot_bytes());
+    d->op = int32_t(kind_);
+    fill_desc(ctx, d);
+    d->seq = seq();
+    signal_release(L.desc_seq(ctx.me), seq());
+    phase_ = Phase::kExchange;
+    progress = true;
+  }
+  if (phase_ == Phase::kExchange) {
+    for (; next_peer_ < ctx.world; ++next_peer_) {
+      if (next_peer_ == ctx.rank) continue;
+      if (signal_acquire(L.desc_seq(ctx.peer(next_peer_))) < seq()) {
+        waiting(next_peer_, "the collective descriptor");
+        return progress;
+      }
+    }
+    std::vector<const CollDesc*> descs(ctx.world);
+    for (int r = 0; r < ctx.world; ++r) {
+      descs[r] = L.desc(ctx.peer(r), seq());
+      TORCH_INTERNAL_ASSERT(descs[r]->seq == seq(), where(ctx.rank), ": rank ", r,
+                            " descriptor slot holds seq ", descs[r]->seq);
+    }
+    for (int r = 0; r < ctx.world; ++r) {
+      if (descs[r]->op != int32_t(kind_)) {
+        refuse(ctx, str("rank ", r, " issued ", coll_kind_name(CollKind(descs[r]->op)),
+                        " as its collective #", seq(), " while this rank issued ",
+                        coll_kind_name(kind_),
+                        "; every rank of a group must issue the same collectives in the same "
+                        "order"));
+      }
+    }
+    // Move to the data phase before validating: a refused op is finished either way, and the
+    // next collective starts from a clean exchange.
+    phase_ = Phase::kData;
+    validate(ctx, descs);
+    progress = true;
+  }
+  progress |= data_step(ctx);
+  return progress;
+}
+
+}  // namespace cam

@@ -1,0 +1,110 @@
+// CollectiveOp: the part every collective shares.
+//
+// Phase 1 (descriptor exchange): each rank publishes what it is about to do (op, root, dtype,
+// sizes, splits) in its window and reads everyone else's. Every rank validates the whole set,
+// so a mismatch fails on all ranks alike, before any byte moves, and the group stays usable.
+// Phase 1 is also the reuse guard of the staging region: a rank publishes descriptor n only
+// after finishing collective n-1, so once all descriptors of n are visible nobody still reads
+// a staging slot of n-1. (A barrier is exactly phase 1.)
+// Phase 2 (data): the subclass's data_step().
+#pragma once
+
+#include "op.hpp"
+
+namespace cam {
+
+enum class CollKind : int32_t { kBarrier = 1, kBroadcast = 2, kAllToAll = 3 };
+const char* coll_kind_name(CollKind k);
+
+class CollectiveOp : public Op {
+ public:
+  CollectiveOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline)
+      : Op(name, seq, deadline), kind_(kind) {}
+  bool is_collective() const override { return true; }
+  bool step(Context& ctx) override;
+
+ protected:
+  // Fill the op-specific fields of this rank's descriptor (the slot is already zeroed).
+  virtual void fill_desc(Context& ctx, CollDesc* d) = 0;
+  // Check all descriptors (descs[r] is rank r's); throw ValidationError on a mismatch.
+  virtual void validate(Context& ctx, const std::vector<const CollDesc*>& descs) = 0;
+  // Move data; return whether anything moved; call mark_done() at the end.
+  virtual bool data_step(Context& ctx) = 0;
+  // Throws ValidationError with this op's prefix.
+  [[noreturn]] void refuse(Context& ctx, const std::string& what) const;
+
+  CollKind kind_;
+
+ private:
+  enum class Phase { kPublish, kExchange, kData } phase_ = Phase::kPublish;
+  int next_peer_ = 0;
+};
+
+class BarrierOp final : public CollectiveOp {
+ public:
+  BarrierOp(uint64_t seq, Clock::time_point deadline)
+      : CollectiveOp("barrier", CollKind::kBarrier, seq, deadline) {}
+
+ protected:
+  void fill_desc(Context&, CollDesc*) override {}
+  void validate(Context&, const std::vector<const CollDesc*>&) override {}
+  bool data_step(Context&) override {
+    mark_done();
+    return true;
+  }
+};
+
+// Broadcast: the root copies its tensor once into a ring of slots in its own staging region;
+// every other rank copies each slot out as soon as it is signalled. The root reuses a slot
+// only after every reader has released it, so any size streams through a bounded window.
+class BroadcastOp final : public CollectiveOp {
+ public:
+  BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, at::Tensor tensor);
+  void finalize() override;
+
+ protected:
+  void fill_desc(Context& ctx, CollDesc* d) override;
+  void validate(Context& ctx, const std::vector<const CollDesc*>& descs) override;
+  bool data_step(Context& ctx) override;
+
+ private:
+  int root_;
+  at::Tensor user_, buf_;  // buf_ is contiguous (user_ itself when it already is)
+  int64_t nbytes_, slot_bytes_ = 0, nslots_ = 0, nchunks_ = 0, next_chunk_ = 0;
+};
+
+// All-to-all over per-pair channels: rank i's staging region is split into one ring per
+// destination; i streams its block for j into ring j, j copies it straight into its output.
+// Every pair pipelines independently; the local block is a direct copy.
+struct AllToAllBlock {
+  char* ptr = nullptr;
+  int64_t nbytes = 0;
+};
+
+class AllToAllOp final : public CollectiveOp {
+ public:
+  // send[j]/recv[j]: this rank's block for/from rank j. keep_alive holds the tensors the
+  // blocks point into; copy_back (dst, src) pairs run on success.
+  AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadline, int dtype,
+             std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
+             std::vector<at::Tensor> keep_alive,
+             std::vector<std::pair<at::Tensor, at::Tensor>> copy_back,
+             std::vector<at::Tensor> outputs);
+  void finalize() override;
+
+ protected:
+  void fill_desc(Context& ctx, CollDesc* d) override;
+  void validate(Context& ctx, const std::vector<const CollDesc*>& descs) override;
+  bool data_step(Context& ctx) override;
+
+ private:
+  int dtype_;
+  std::vector<AllToAllBlock> send_, recv_;
+  std::vector<at::Tensor> keep_alive_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;
+  std::vector<int64_t> sent_, received_;  // chunks per peer
+  int64_t region_bytes_ = 0, slot_bytes_ = 0, nslots_ = 0;
+  bool local_done_ = false;
+};
+
+}  // namespace cam

@@ -1,0 +1,90 @@
+// Op: one communication operation as a non-blocking state machine. The engine calls step()
+// until the op reports done; step() never blocks, so one thread can progress many ops (a ring
+// of isends, a collective while p2p traffic is pending) and nothing deadlocks at issue time.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "../core/config.hpp"
+#include "../core/errors.hpp"
+#include "../transport/heap.hpp"
+
+namespace cam {
+
+// What algorithms see of the world: the heap (windows of every rank) and the configuration.
+struct Context {
+  SymmetricHeap& heap;
+  const CamConfig& cfg;
+  const WindowLayout& L;
+  int rank;
+  int world;
+  char* me;  // own window
+  char* peer(int r) const { return heap.base(r); }
+};
+
+using Clock = std::chrono::steady_clock;
+
+class Op {
+ public:
+  Op(const char* name, uint64_t seq, Clock::time_point deadline)
+      : name_(name), seq_(seq), deadline_(deadline),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {}
+  virtual ~Op() = default;
+
+  virtual bool is_collective() const { return false; }
+  // Makes all progress possible now without blocking; returns whether anything moved.
+  // Throws ValidationError (op refused, group fine) or anything else (group broken).
+  virtual bool step(Context& ctx) = 0;
+  // Runs once on success, before the future completes (copy-back from temporaries).
+  virtual void finalize() {}
+
+  bool done() const { return done_; }
+  std::exception_ptr error() const { return error_; }
+  void fail(std::exception_ptr e) {
+    error_ = std::move(e);
+    done_ = true;
+  }
+  const char* name() const { return name_; }
+  uint64_t seq() const { return seq_; }
+  Clock::time_point deadline() const { return deadline_; }
+  const c10::intrusive_ptr<c10::ivalue::Future>& future() const { return future_; }
+  int source_rank() const { return source_rank_; }
+  std::vector<at::Tensor>& outputs() { return outputs_; }
+
+  // "cam broadcast (seq 4) on rank 1" — prefix of every message about this op.
+  std::string where(int rank) const { return str("cam ", name_, " (seq ", seq_, ") on rank ", rank); }
+  // Why the op is not done yet, for timeout messages.
+  std::string waiting_for() const {
+    return wait_peer_ < 0 ? std::string("its turn in the group's op queue")
+                          : str(wait_what_, " from rank ", wait_peer_);
+  }
+  int waiting_peer() const { return wait_peer_; }
+
+ protected:
+  void mark_done() { done_ = true; }
+  void waiting(int peer, const char* what) { wait_peer_ = peer; wait_what_ = what; }
+  void set_seq(uint64_t seq) { seq_ = seq; }
+  std::vector<at::Tensor> outputs_;
+  int source_rank_ = -1;
+
+ private:
+  const char* name_;
+  uint64_t seq_;
+  Clock::time_point deadline_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  int wait_peer_ = -1;
+  const char* wait_what_ = "";
+};
+
+}  // namespace cam

@@ -1,0 +1,100 @@
+// Point-to-point messaging through per-pair outboxes.
+//
+// Rank s owns, in its window, one byte ring per destination d. A message is a 64-byte header
+// {index, nbytes, tag, dtype} followed by the payload padded to 64 bytes. s advances head[d]
+// (its window) as it writes; d advances tail[s] (its own window) as it reads, so s may reuse
+// ring bytes below tail. Messages larger than the ring stream through it in pieces.
+//
+// Matching is MPI-like and per (peer, tag) FIFO: the receiver reads headers in arrival order
+// and binds each to the earliest posted recv with that (source or any-source, tag). A message
+// nobody has asked for stays in the ring (it costs nothing) unless a posted recv is stuck
+// behind it, in which case its payload is drained into a private buffer.
+//
+// Binding writes an acknowledgement slot (in the receiver's window) that tells the sender the
+// size and dtype the recv expected; a send completes once its bytes are in the ring and it is
+// acknowledged, so a size or dtype mismatch fails on both sides and no data is corrupted.
+#pragma once
+
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+
+#include "op.hpp"
+
+namespace cam {
+
+struct alignas(64) MsgHeader {
+  uint64_t index_plus1;
+  int64_t nbytes;
+  int32_t tag;
+  int32_t dtype;
+};
+static_assert(sizeof(MsgHeader) == 64);
+
+class SendOp final : public Op {
+ public:
+  SendOp(Clock::time_point deadline, int dst, int tag, at::Tensor tensor);
+  bool step(Context&) override { return false; }  // progressed by P2PEngine
+  void assign_index(uint64_t msg) { set_seq(msg); }
+  void waiting_on(int peer) { waiting(peer, written == 0 || !fully_written() ? "outbox space" : "a matching recv"); }
+  bool fully_written() const { return written >= int64_t(64 + (nbytes + 63) / 64 * 64); }
+  void finish_ok() { mark_done(); }
+  int dst, tag, dtype;
+  at::Tensor buf;
+  int64_t nbytes;
+  int64_t written = 0;  // framed bytes written into the outbox
+};
+
+class RecvOp final : public Op {
+ public:
+  RecvOp(uint64_t seq, Clock::time_point deadline, int src, int tag, at::Tensor tensor);
+  bool step(Context&) override { return false; }  // progressed by P2PEngine
+  void finalize() override;
+  void matched(int src) { source_rank_ = src; }
+  void complete() { mark_done(); }
+  void await(int peer, const char* what) { waiting(peer, what); }
+  int src, tag, dtype;  // src < 0: any source
+  at::Tensor user, buf;
+  int64_t nbytes;
+};
+
+class P2PEngine {
+ public:
+  explicit P2PEngine(int world_size);
+  using Finished = std::vector<std::shared_ptr<Op>>;
+  void add_send(std::shared_ptr<SendOp> op);
+  void post_recv(Context& ctx, std::shared_ptr<RecvOp> op, Finished& finished);
+  bool progress(Context& ctx, Finished& finished);
+  void clear();
+
+ private:
+  struct Record {
+    int src;
+    uint64_t msg;
+    MsgHeader hdr;
+    int64_t consumed = 0;  // padded payload bytes taken out of the ring
+    bool complete = false;
+    bool discard = false;
+    std::vector<char> buffer;  // payload drained before a recv matched
+    std::shared_ptr<RecvOp> bound;
+  };
+  bool progress_acks(Context& ctx, int dst, Finished& finished);
+  bool progress_tx(Context& ctx, int dst);
+  bool progress_rx(Context& ctx, int src, Finished& finished);
+  bool needs_drain(int src) const;
+  std::shared_ptr<RecvOp> match_posted(int src, int tag);
+  void bind(Context& ctx, const std::shared_ptr<Record>& rec, const std::shared_ptr<RecvOp>& r,
+            Finished& finished);
+
+  int world_;
+  std::vector<std::deque<std::shared_ptr<SendOp>>> tx_queue_;
+  std::vector<std::map<uint64_t, std::shared_ptr<SendOp>>> tx_unacked_;
+  std::vector<uint64_t> tx_head_, tx_msgs_, rx_tail_, rx_msgs_;
+  std::vector<std::shared_ptr<Record>> rx_cur_;
+  std::vector<std::deque<std::shared_ptr<Record>>> unexpected_;
+  std::list<std::shared_ptr<RecvOp>> posted_;
+  int any_source_start_ = 0;
+};
+
+}  // namespace cam

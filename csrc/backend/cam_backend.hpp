@@ -1,0 +1,67 @@
+// CamBackend: the c10d::Backend registered as "cam". Each op validates its arguments on the
+// calling thread (so bad input raises before anything is queued), builds an algorithm op and
+// hands it to the Engine; the returned CamWork completes when the op does.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <mutex>
+
+#include "cam_work.hpp"
+#include "engine.hpp"
+
+namespace cam {
+
+class CamBackend : public c10d::Backend {
+ public:
+  CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, CamConfig cfg,
+             std::string group_id);
+  ~CamBackend() override;
+
+  const std::string getBackendName() const override { return "cam"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Sequence numbers count collectives; every rank starts at 0 when the group is created.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override;
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+  std::string config_string() const { return engine_->config().to_string(); }
+  const std::string& group_id() const { return group_id_; }
+  int64_t window_bytes_mapped() const;
+
+ private:
+  Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
+  const at::Tensor& single_tensor(const char* op, std::vector<at::Tensor>& tensors) const;
+  void check_tensor(const char* op, const at::Tensor& t, const char* what = "tensor") const;
+  void check_peer(const char* op, int peer, const char* role) const;
+  c10::intrusive_ptr<c10d::Work> launch(std::shared_ptr<Op> op, c10d::OpType type,
+                                        const char* title, std::vector<at::Tensor> inputs);
+  // Assigns the next collective sequence number and submits in that order.
+  template <typename MakeOp>
+  c10::intrusive_ptr<c10d::Work> launch_collective(MakeOp make, c10d::OpType type,
+                                                   const char* title, std::vector<at::Tensor> inputs);
+
+  std::shared_ptr<Engine> engine_;
+  std::string group_id_;
+  std::mutex issue_mu_;
+  uint64_t coll_seq_ = 0;
+  uint64_t recv_seq_ = 0;
+};
+
+}  // namespace cam

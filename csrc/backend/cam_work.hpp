@@ -1,0 +1,31 @@
+// CamWork: the c10d Work of every cam op. The op's Future is the source of truth: wait()
+// drives the engine until it completes, then rethrows the op's error, as gloo's Work does.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "engine.hpp"
+
+namespace cam {
+
+class CamWork : public c10d::Work {
+ public:
+  CamWork(std::shared_ptr<Engine> engine, std::shared_ptr<Op> op, int rank, c10d::OpType type,
+          const char* profiling_title, std::optional<std::vector<at::Tensor>> inputs);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return op_->future(); }
+  uint64_t getSequencenumber() const override { return op_->seq(); }
+
+ private:
+  std::shared_ptr<Engine> engine_;
+  std::shared_ptr<Op> op_;
+};
+
+}  // namespace cam

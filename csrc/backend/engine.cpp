@@ -1,0 +1,253 @@
+#include "engine.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+namespace cam {
+
+Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg)
+    : heap_(std::move(heap)), cfg_(std::move(cfg)),
+      ctx_{*heap_, cfg_, heap_->layout(), heap_->rank(), heap_->world_size(), heap_->base(heap_->rank())},
+      p2p_(heap_->world_size()), next_liveness_check_(Clock::now()) {
+  thread_ = std::thread([this] { progress_thread_main(); });
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(thread_mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  thread_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lk(drive_mu_);
+    absorb_incoming(finished);
+    if (!pending_.empty()) fail_all("the process group was shut down", finished);
+  }
+  complete(finished);
+}
+
+std::string Engine::fatal_error() const {
+  std::lock_guard<std::mutex> lk(fatal_mu_);
+  return fatal_;
+}
+
+void Engine::submit(std::shared_ptr<Op> op) {
+  active_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lk(submit_mu_);
+    incoming_.push_back(std::move(op));
+  }
+  drive_and_complete();
+  wake_progress_thread();
+}
+
+void Engine::poll() { drive_and_complete(); }
+
+bool Engine::drive_and_complete() {
+  Finished finished;
+  bool progress = false;
+  if (drive_mu_.try_lock()) {
+    progress = drive_once(finished);
+    drive_mu_.unlock();
+  }
+  // Futures complete outside the lock: their callbacks may issue new ops.
+  complete(finished);
+  return progress;
+}
+
+bool Engine::wait(const Op& op, std::chrono::milliseconds timeout) {
+  const auto& fut = op.future();
+  if (fut->completed()) return true;
+  waiters_.fetch_add(1);
+  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us);
+  const bool bounded = timeout.count() > 0;
+  const auto until = Clock::now() + timeout;
+  bool ok = true;
+  while (!fut->completed()) {
+    if (drive_and_complete()) backoff.reset();
+    else if (!fut->completed()) backoff.pause();
+    if (bounded && Clock::now() > until && !fut->completed()) {
+      ok = false;
+      break;
+    }
+  }
+  if (waiters_.fetch_sub(1) == 1 && active_.load() > 0) wake_progress_thread();
+  return ok;
+}
+
+void Engine::absorb_incoming(Finished& finished) {
+  std::vector<std::shared_ptr<Op>> ops;
+  {
+    std::lock_guard<std::mutex> lk(submit_mu_);
+    ops.swap(incoming_);
+  }
+  for (auto& op : ops) {
+    if (failed_.load()) {
+      op->fail(std::make_exception_ptr(FatalError(op->where(ctx_.rank) +
+                                                  ": the group is unusable after an earlier error: " +
+                                                  fatal_)));
+      finished.push_back(op);
+      continue;
+    }
+    pending_.push_back(op);
+    if (op->is_collective()) {
+      collectives_.push_back(op);
+    } else if (auto s = std::dynamic_pointer_cast<SendOp>(op)) {
+      p2p_.add_send(std::move(s));
+    } else if (auto r = std::dynamic_pointer_cast<RecvOp>(op)) {
+      p2p_.post_recv(ctx_, std::move(r), finished);
+    }
+  }
+}
+
+bool Engine::drive_once(Finished& finished) {
+  absorb_incoming(finished);
+  if (pending_.empty()) return !finished.empty();
+  bool progress = false;
+  try {
+    while (!collectives_.empty()) {
+      auto& op = collectives_.front();
+      try {
+        progress |= op->step(ctx_);
+      } catch (const ValidationError&) {
+        op->fail(std::current_exception());
+      }
+      if (!op->done()) break;
+      finished.push_back(op);
+      collectives_.pop_front();
+      progress = true;
+    }
+    progress |= p2p_.progress(ctx_, finished);
+  } catch (const std::exception& e) {
+    fail_all(e.what(), finished);
+    return true;
+  }
+  if (failed_.load()) return true;
+  check_deadlines_and_peers(finished);
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [](const std::shared_ptr<Op>& op) { return op->done(); }),
+                 pending_.end());
+  return progress || !finished.empty();
+}
+
+void Engine::check_deadlines_and_peers(Finished& finished) {
+  const auto now = Clock::now();
+  for (auto& op : pending_) {
+    if (!op->done() && now > op->deadline()) {
+      fail_all(str(op->where(ctx_.rank), ": timed out after ", cfg_.timeout.count(),
+                   " ms waiting for ", op->waiting_for()),
+               finished);
+      return;
+    }
+  }
+  if (now < next_liveness_check_) return;
+  next_liveness_check_ = now + std::chrono::milliseconds(cfg_.liveness_interval_ms);
+  for (int r = 0; r < ctx_.world; ++r) {
+    if (r == ctx_.rank) continue;
+    const ErrorReport* rep = ctx_.L.error(ctx_.peer(r));
+    if (signal_acquire(rep->seq) != 0) {
+      std::string text(rep->text, strnlen(rep->text, kErrorTextBytes));
+      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " failed: ", text), finished);
+      return;
+    }
+    std::string dead = heap_->peer_failure(r);
+    if (!dead.empty()) {
+      std::string what;
+      for (auto& op : pending_) {
+        if (!op->done()) {
+          what = str(" while ", op->where(ctx_.rank), " was waiting for ", op->waiting_for());
+          break;
+        }
+      }
+      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " died (", dead, ")", what), finished);
+      return;
+    }
+  }
+}
+
+void Engine::fail_all(const std::string& why, Finished& finished) {
+  {
+    std::lock_guard<std::mutex> lk(fatal_mu_);
+    if (fatal_.empty()) fatal_ = why;
+  }
+  failed_.store(true);
+  // Tell the peers, so that whoever waits on this rank fails now rather than at its timeout.
+  ErrorReport* rep = ctx_.L.error(ctx_.me);
+  if (signal_relaxed(rep->seq) == 0) {
+    std::snprintf(rep->text, kErrorTextBytes, "%s", why.c_str());
+    signal_release(rep->seq, 1);
+  }
+  for (auto& op : pending_) {
+    if (!op->done()) op->fail(std::make_exception_ptr(FatalError(why)));
+    finished.push_back(op);
+  }
+  pending_.clear();
+  collectives_.clear();
+  p2p_.clear();
+}
+
+void Engine::complete(Finished& finished) {
+  if (finished.empty()) return;
+  for (auto& op : finished) {
+    if (op->future()->completed()) continue;
+    if (op->error()) {
+      op->future()->setError(op->error());
+    } else {
+      try {
+        op->finalize();
+        op->future()->markCompleted(c10::IValue(op->outputs()));
+      } catch (...) {
+        op->future()->setError(std::current_exception());
+      }
+    }
+    active_.fetch_sub(1);
+  }
+  finished.clear();
+}
+
+void Engine::wake_progress_thread() {
+  bool parked;
+  {
+    std::lock_guard<std::mutex> lk(thread_mu_);
+    parked = thread_parked_;
+  }
+  if (parked) thread_cv_.notify_one();
+}
+
+void Engine::progress_thread_main() {
+  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us);
+  const auto interval = std::chrono::microseconds(cfg_.progress_interval_us);
+  const auto park_after = std::chrono::milliseconds(100);
+  auto last_active = Clock::now();
+  std::unique_lock<std::mutex> lk(thread_mu_);
+  while (!stop_) {
+    // Waiters drive their own ops; the thread only steps in for ops nobody waits on.
+    const bool work = active_.load() > 0 && waiters_.load() == 0;
+    if (!work) {
+      backoff.reset();
+      if (active_.load() > 0) last_active = Clock::now();
+      if (Clock::now() - last_active > park_after) {
+        thread_parked_ = true;
+        thread_cv_.wait(lk, [&] { return stop_ || active_.load() > 0; });
+        thread_parked_ = false;
+        last_active = Clock::now();
+      } else {
+        thread_cv_.wait_for(lk, interval);
+      }
+      continue;
+    }
+    lk.unlock();
+    if (drive_and_complete()) backoff.reset();
+    else backoff.pause();
+    last_active = Clock::now();
+    lk.lock();
+  }
+}
+
+}  // namespace cam

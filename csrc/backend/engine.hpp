@@ -1,0 +1,82 @@
+// Engine: runs a group's ops. Ops are queued at issue and never block the issuing thread.
+// Whoever waits drives progress (the thread in Work::wait, so a blocking op needs no thread
+// hand-off); a background progress thread drives ops that nobody is waiting on (an isend whose
+// Work is never waited, a Future with callbacks). Collectives run one at a time in issue
+// order; point-to-point ops progress concurrently beside them.
+//
+// Failure model: a ValidationError fails one op and leaves the group usable. A timeout, a dead
+// peer or a failure reported by a peer fails every pending op, is published in this rank's
+// window for the peers to see, and makes every later op fail at once with the same cause.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "../algo/p2p.hpp"
+#include "../core/config.hpp"
+#include "../transport/heap.hpp"
+#include "../transport/wait_policy.hpp"
+
+namespace cam {
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg);
+  ~Engine();
+  void shutdown();
+
+  // Queues the op and makes one non-blocking progress attempt. Never blocks on peers.
+  void submit(std::shared_ptr<Op> op);
+  // Drives progress until the op is done or timeout (0: none beyond the op's deadline)
+  // expires. Returns false on timeout.
+  bool wait(const Op& op, std::chrono::milliseconds timeout);
+  // One non-blocking progress attempt.
+  void poll();
+
+  SymmetricHeap& heap() { return *heap_; }
+  const CamConfig& config() const { return cfg_; }
+  // Non-empty once the group is unusable.
+  std::string fatal_error() const;
+
+ private:
+  using Finished = std::vector<std::shared_ptr<Op>>;
+  bool drive_once(Finished& finished);
+  bool drive_and_complete();
+  void absorb_incoming(Finished& finished);
+  void check_deadlines_and_peers(Finished& finished);
+  void fail_all(const std::string& why, Finished& finished);
+  void complete(Finished& finished);
+  void progress_thread_main();
+  void wake_progress_thread();
+
+  std::unique_ptr<SymmetricHeap> heap_;
+  CamConfig cfg_;
+  Context ctx_;
+
+  std::mutex submit_mu_;  // guards incoming_
+  std::vector<std::shared_ptr<Op>> incoming_;
+
+  std::mutex drive_mu_;  // guards everything below until the thread fields
+  std::deque<std::shared_ptr<Op>> collectives_;
+  std::vector<std::shared_ptr<Op>> pending_;  // every op not yet finished (deadlines, failure)
+  P2PEngine p2p_;
+  Clock::time_point next_liveness_check_;
+  std::string fatal_;             // written under drive_mu_
+  std::atomic<bool> failed_{false};
+  mutable std::mutex fatal_mu_;
+
+  std::atomic<int64_t> active_{0};  // submitted and not finished
+  std::atomic<int> waiters_{0};
+  std::mutex thread_mu_;
+  std::condition_variable thread_cv_;
+  bool thread_parked_ = false;  // waiting without a deadline for new work
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace cam

@@ -1,0 +1,82 @@
+#include "config.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+
+namespace cam {
+
+CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
+                              std::chrono::milliseconds timeout) {
+  CamConfig c;
+  c.timeout = timeout;
+  for (const auto& [key, value] : kv) {
+    auto as_int = [&]() {
+      try {
+        size_t used = 0;
+        int64_t v = std::stoll(value, &used);
+        TORCH_CHECK(used == value.size(), "");
+        return v;
+      } catch (...) {
+        TORCH_CHECK(false, "cam option ", key, ": expected an integer, got '", value, "'");
+      }
+    };
+    if (key == "window_bytes") c.window_bytes = as_int();
+    else if (key == "chunk_bytes") c.chunk_bytes = as_int();
+    else if (key == "spin_us") c.spin_us = as_int();
+    else if (key == "yield_us") c.yield_us = as_int();
+    else if (key == "sleep_max_us") c.sleep_max_us = as_int();
+    else if (key == "liveness_interval_ms") c.liveness_interval_ms = as_int();
+    else if (key == "progress_interval_us") c.progress_interval_us = as_int();
+    else if (key == "p2p_fraction") c.p2p_fraction = std::stod(value);
+    else TORCH_CHECK(false, "cam: unknown option '", key, "'");
+  }
+  return c;
+}
+
+int64_t CamConfig::p2p_ring_bytes(int world_size) const {
+  // Rings are whole multiples of 4 KiB so that message headers (64 B) never wrap.
+  int64_t share = int64_t(double(window_bytes) * p2p_fraction) / std::max(world_size, 1);
+  return share / 4096 * 4096;
+}
+
+int64_t CamConfig::coll_region_bytes(int world_size) const {
+  return (window_bytes - p2p_ring_bytes(world_size) * world_size) / 4096 * 4096;
+}
+
+void CamConfig::validate(int world_size) const {
+  TORCH_CHECK(world_size >= 1 && world_size <= 4096, "cam: group size ", world_size,
+              " is outside 1..4096");
+  TORCH_CHECK(chunk_bytes >= 4096 && chunk_bytes % 64 == 0,
+              "cam option chunk_bytes: expected a multiple of 64 that is >= 4096, got ",
+              chunk_bytes);
+  TORCH_CHECK(p2p_fraction > 0.0 && p2p_fraction < 1.0,
+              "cam option p2p_fraction: expected a value in (0, 1), got ", p2p_fraction);
+  TORCH_CHECK(p2p_ring_bytes(world_size) >= 8192,
+              "cam option window_bytes: ", window_bytes, " bytes leave each of the ", world_size,
+              " point-to-point outboxes under 8 KiB; use at least ",
+              int64_t(8192 * world_size / p2p_fraction) + 4096, " bytes");
+  // Every all-to-all channel needs at least two 4 KiB slots to pipeline.
+  TORCH_CHECK(coll_region_bytes(world_size) >= int64_t(world_size) * 2 * 4096,
+              "cam option window_bytes: ", window_bytes, " bytes leave the collective region "
+              "too small for ", world_size, " ranks; use at least ",
+              int64_t(world_size) * 8192 * 2 + 65536, " bytes");
+  TORCH_CHECK(spin_us >= 0 && yield_us >= spin_us && sleep_max_us >= 1,
+              "cam options: expected 0 <= spin_us <= yield_us and sleep_max_us >= 1, got spin_us=",
+              spin_us, " yield_us=", yield_us, " sleep_max_us=", sleep_max_us);
+  TORCH_CHECK(liveness_interval_ms >= 1 && progress_interval_us >= 10,
+              "cam options: liveness_interval_ms must be >= 1 and progress_interval_us >= 10");
+  TORCH_CHECK(timeout.count() > 0, "cam: the group timeout must be positive");
+}
+
+std::string CamConfig::to_string() const {
+  std::ostringstream os;
+  os << "window_bytes=" << window_bytes << " p2p_fraction=" << p2p_fraction
+     << " chunk_bytes=" << chunk_bytes << " spin_us=" << spin_us << " yield_us=" << yield_us
+     << " sleep_max_us=" << sleep_max_us << " liveness_interval_ms=" << liveness_interval_ms
+     << " progress_interval_us=" << progress_interval_us << " timeout_ms=" << timeout.count();
+  return os.str();
+}
+
+}  // namespace cam

@@ -1,0 +1,45 @@
+// CamConfig: every tunable of a cam group, validated in one place.
+// Python (torch_cam/config.py) reads the TORCH_CAM_* environment and pg_options and hands the
+// result here as key/value pairs; nothing else in csrc/ reads the environment.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace cam {
+
+struct CamConfig {
+  // Data bytes of each rank's window (control page not included). Messages larger than the
+  // window are chunked and pipelined through it.
+  int64_t window_bytes = 32ll << 20;
+  // Share of the window given to point-to-point outboxes (split evenly over peers); the rest
+  // is the collective staging region.
+  double p2p_fraction = 0.25;
+  // Pipeline granularity of collectives: one slot of a staging ring.
+  int64_t chunk_bytes = 256ll << 10;
+  // Wait policy tiers, measured from the start of one wait: pause-spin, then sched_yield, then
+  // sleeps growing up to sleep_max_us.
+  int64_t spin_us = 50;
+  int64_t yield_us = 2000;
+  int64_t sleep_max_us = 500;
+  // How often a waiter checks that the peers it waits on are alive and have not failed.
+  int64_t liveness_interval_ms = 50;
+  // Background progress thread: poll interval while work is pending but nobody waits on it.
+  int64_t progress_interval_us = 500;
+  // Group timeout applied to every wait unless an op carries its own.
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+
+  static CamConfig from_map(const std::map<std::string, std::string>& kv,
+                            std::chrono::milliseconds timeout);
+  // Throws c10::Error naming the offending field.
+  void validate(int world_size) const;
+
+  // Layout derived from the fields above and the group size.
+  int64_t p2p_ring_bytes(int world_size) const;   // per destination
+  int64_t coll_region_bytes(int world_size) const;
+  std::string to_string() const;
+};
+
+}  // namespace cam

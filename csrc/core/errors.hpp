@@ -1,0 +1,36 @@
+// Error types and the one message format of cam:
+//   "cam <op> (seq <n>) on rank <r>: <what>"  (peer and expected-vs-received inside <what>)
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace cam {
+
+// An op was refused before any byte moved, on every rank alike (mismatched sizes, dtypes,
+// splits, op order): the op fails but the group stays usable.
+class ValidationError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Anything else (timeout, dead peer, peer failure) leaves the group unusable.
+class FatalError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+std::string str(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+std::string describe_bytes(int64_t nbytes, int dtype);  // "4096 bytes of float32"
+std::string dtype_name(int dtype);
+
+}  // namespace cam

@@ -1,0 +1,29 @@
+// Python module torch_cam._C: the backend class and its factory. Registration with
+// torch.distributed happens in torch_cam/__init__.py (Python), never at library load.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "../backend/cam_backend.hpp"
+#include "../transport/shm_heap.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "torch_cam native backend";
+  py::class_<cam::CamBackend, c10d::Backend, c10::intrusive_ptr<cam::CamBackend>>(m, "CamBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       double timeout_s, const std::map<std::string, std::string>& options,
+                       const std::string& group_id) {
+             auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+             auto cfg = cam::CamConfig::from_map(options, timeout);
+             return c10::make_intrusive<cam::CamBackend>(store, rank, size, std::move(cfg), group_id);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
+           py::arg("options"), py::arg("group_id"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("config", &cam::CamBackend::config_string)
+      .def_property_readonly("group_id", &cam::CamBackend::group_id)
+      .def_property_readonly("heap_bytes", &cam::CamBackend::window_bytes_mapped,
+                             "Bytes of symmetric heap this rank maps (all windows of the group)");
+  m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
+        "Remove /dev/shm names left by cam processes of this user that no longer exist");
+}

@@ -1,0 +1,253 @@
+#include "shm_heap.hpp"
+
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+namespace cam {
+namespace {
+
+constexpr const char* kShmDir = "/dev/shm";
+constexpr const char* kNamePrefix = "torch_cam.";
+
+std::string read_first_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+std::string host_identity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::string(host) + "/" + read_first_line("/proc/sys/kernel/random/boot_id");
+}
+
+std::string shm_device() {
+  struct stat st {};
+  if (stat(kShmDir, &st) != 0) return "?";
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+}
+
+// Field 22 of /proc/<pid>/stat, and the state letter (field 3). Returns false if unreadable.
+bool proc_stat(int64_t pid, char* state, uint64_t* start_time) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s;
+  if (!std::getline(f, s)) return false;
+  auto close = s.rfind(')');  // comm may contain spaces and parentheses
+  if (close == std::string::npos) return false;
+  std::istringstream rest(s.substr(close + 2));
+  std::string field;
+  rest >> *state;
+  for (int i = 4; i <= 22 && rest >> field; ++i) {
+    if (i == 22) *start_time = std::stoull(field);
+  }
+  return true;
+}
+
+bool pid_gone(int64_t pid) { return kill(pid_t(pid), 0) != 0 && errno == ESRCH; }
+
+std::string random_hex() {
+  std::random_device rd;
+  std::ostringstream os;
+  os << std::hex << rd() << rd();
+  return os.str();
+}
+
+std::string mib(double bytes) {
+  std::ostringstream os;
+  os.precision(1);
+  os << std::fixed << bytes / (1 << 20) << " MiB";
+  return os.str();
+}
+
+std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+std::string serialize(const PeerInfo& p) {
+  std::ostringstream os;
+  os << p.segment << '\n' << p.pid << '\n' << p.start_time << '\n' << p.host << '\n' << p.shm_dev;
+  return os.str();
+}
+
+PeerInfo deserialize(const std::vector<uint8_t>& b) {
+  std::istringstream is(std::string(b.begin(), b.end()));
+  PeerInfo p;
+  std::string line;
+  std::getline(is, p.segment);
+  std::getline(is, line); p.pid = std::stoll(line);
+  std::getline(is, line); p.start_time = std::stoull(line);
+  std::getline(is, p.host);
+  std::getline(is, p.shm_dev);
+  return p;
+}
+
+}  // namespace
+
+int ShmHeap::sweep_stale_segments() {
+  // Names are torch_cam.<uid>.<pid>.<random>; only this user's, only dead owners.
+  const std::string mine = std::string(kNamePrefix) + std::to_string(getuid()) + ".";
+  int removed = 0;
+  DIR* d = opendir(kShmDir);
+  if (!d) return 0;
+  while (dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    if (name.rfind(mine, 0) != 0) continue;
+    auto dot = name.find('.', mine.size());
+    if (dot == std::string::npos) continue;
+    int64_t pid = std::atoll(name.substr(mine.size(), dot - mine.size()).c_str());
+    if (pid > 0 && pid_gone(pid) && shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  closedir(d);
+  return removed;
+}
+
+ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+                 WindowLayout layout, std::chrono::milliseconds timeout)
+    : rank_(rank), world_(world_size), layout_(layout), bases_(world_size, nullptr),
+      peers_(world_size) {
+  sweep_stale_segments();
+  PeerInfo& me = peers_[rank_];
+  me.pid = getpid();
+  char state = 0;
+  proc_stat(me.pid, &state, &me.start_time);
+  me.host = host_identity();
+  me.shm_dev = shm_device();
+  me.segment = "/" + std::string(kNamePrefix) + std::to_string(getuid()) + "." +
+               std::to_string(me.pid) + "." + random_hex();
+  own_name_ = me.segment;
+  try {
+    create_own_window();
+    store->set("cam/window/" + std::to_string(rank_), to_bytes(serialize(me)));
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      const std::string key = "cam/window/" + std::to_string(r);
+      try {
+        store->wait({key}, timeout);
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "cam init on rank ", rank_, ": rank ", r,
+                    " did not publish its window within the group timeout (",
+                    timeout.count(), " ms): ", e.what());
+      }
+      peers_[r] = deserialize(store->get(key));
+      const PeerInfo& p = peers_[r];
+      TORCH_CHECK(p.host == me.host, "cam init on rank ", rank_, ": rank ", r, " runs on host '",
+                  p.host, "' but this rank runs on '", me.host,
+                  "'; the cam shared-memory transport needs every rank of a group on one host");
+      TORCH_CHECK(p.shm_dev == me.shm_dev, "cam init on rank ", rank_, ": rank ", r,
+                  " sees a different /dev/shm (device ", p.shm_dev, " vs ", me.shm_dev,
+                  "); run the ranks in one container or share /dev/shm between them");
+      int fd = shm_open(p.segment.c_str(), O_RDWR, 0600);
+      TORCH_CHECK(fd >= 0, "cam init on rank ", rank_, ": cannot open rank ", r, "'s window ",
+                  p.segment, ": ", std::strerror(errno));
+      void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      int err = errno;
+      ::close(fd);
+      TORCH_CHECK(ptr != MAP_FAILED, "cam init on rank ", rank_, ": cannot map rank ", r,
+                  "'s window (", mib(layout_.total_bytes()), "): ", std::strerror(err));
+      bases_[r] = static_cast<char*>(ptr);
+      auto* h = layout_.header(bases_[r]);
+      TORCH_CHECK(h->magic == kWindowMagic && h->world_size == world_ && h->rank == r,
+                  "cam init on rank ", rank_, ": rank ", r,
+                  "'s window has a different layout (was it built by another torch_cam version?)");
+    }
+    store->set("cam/mapped/" + std::to_string(rank_), to_bytes("1"));
+    std::vector<std::string> keys;
+    for (int r = 0; r < world_; ++r) keys.push_back("cam/mapped/" + std::to_string(r));
+    try {
+      store->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "cam init on rank ", rank_,
+                  ": not every rank mapped the heap within the group timeout: ", e.what());
+    }
+    shm_unlink(own_name_.c_str());
+    own_unlinked_ = true;
+  } catch (...) {
+    if (!own_unlinked_) shm_unlink(own_name_.c_str());
+    own_unlinked_ = true;
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_ && peers_[r].pid > 0 && pid_gone(peers_[r].pid))
+        shm_unlink(peers_[r].segment.c_str());
+    }
+    unmap_all();
+    throw;
+  }
+}
+
+void ShmHeap::create_own_window() {
+  const size_t bytes = layout_.total_bytes();
+  struct statvfs vfs {};
+  if (statvfs(kShmDir, &vfs) == 0) {
+    const double total = double(vfs.f_blocks) * vfs.f_frsize;
+    const double avail = double(vfs.f_bavail) * vfs.f_frsize;
+    TORCH_CHECK(double(bytes) <= avail, "cam init on rank ", rank_, ": the window needs ",
+                mib(bytes), " of shared memory but ", kShmDir, " has only ", mib(avail),
+                " free (of ", mib(total), "). Enlarge it (docker --shm-size, a memory-backed "
+                "emptyDir) or lower TORCH_CAM_WINDOW_BYTES / Options.window_bytes");
+  }
+  int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  TORCH_CHECK(fd >= 0, "cam init on rank ", rank_, ": shm_open(", own_name_,
+              ") failed: ", std::strerror(errno));
+  int rc = ftruncate(fd, off_t(bytes));
+  if (rc == 0) rc = posix_fallocate(fd, 0, off_t(bytes));
+  else rc = errno;
+  if (rc != 0) {
+    ::close(fd);
+    shm_unlink(own_name_.c_str());
+    own_unlinked_ = true;
+    TORCH_CHECK(false, "cam init on rank ", rank_, ": cannot reserve ", mib(bytes),
+                " of shared memory in ", kShmDir, " for this rank's window: ",
+                std::strerror(rc), ". Enlarge ", kShmDir,
+                " or lower TORCH_CAM_WINDOW_BYTES / Options.window_bytes");
+  }
+  void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  int err = errno;
+  ::close(fd);
+  TORCH_CHECK(ptr != MAP_FAILED, "cam init on rank ", rank_, ": cannot map own window: ",
+              std::strerror(err));
+  bases_[rank_] = static_cast<char*>(ptr);
+  std::memset(bases_[rank_], 0, layout_.control_bytes());
+  auto* h = layout_.header(bases_[rank_]);
+  h->rank = rank_;
+  h->world_size = world_;
+  h->pid = getpid();
+  h->data_bytes = int64_t(bytes - layout_.control_bytes());
+  signal_release(h->magic, kWindowMagic);
+}
+
+std::string ShmHeap::peer_failure(int r) const {
+  const PeerInfo& p = peers_[r];
+  if (pid_gone(p.pid)) return "process " + std::to_string(p.pid) + " no longer exists";
+  char state = 0;
+  uint64_t start = 0;
+  if (proc_stat(p.pid, &state, &start)) {
+    if (state == 'Z' || state == 'X') return "process " + std::to_string(p.pid) + " has exited";
+    if (p.start_time != 0 && start != p.start_time)
+      return "process " + std::to_string(p.pid) + " exited (its pid was reused)";
+  }
+  return "";
+}
+
+void ShmHeap::unmap_all() {
+  for (auto& b : bases_) {
+    if (b) munmap(b, layout_.total_bytes());
+    b = nullptr;
+  }
+}
+
+ShmHeap::~ShmHeap() {
+  if (!own_unlinked_) shm_unlink(own_name_.c_str());
+  unmap_all();
+}
+
+}  // namespace cam

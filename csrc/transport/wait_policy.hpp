@@ -1,0 +1,39 @@
+// WaitPolicy: how a rank waits for a peer without stealing the core that peer needs.
+// Tiers by time spent in the current wait: pause-spin (a peer on another core answers in well
+// under a microsecond), then sched_yield (more ranks than cores: hand the core to whoever is
+// runnable), then sleeps that grow to sleep_max_us (nothing is coming soon).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+namespace cam {
+
+class Backoff {
+ public:
+  Backoff(int64_t spin_us, int64_t yield_us, int64_t sleep_max_us)
+      : spin_ns_(spin_us * 1000), yield_ns_(yield_us * 1000), sleep_max_us_(sleep_max_us) {}
+
+  // Call after a pass that made no progress.
+  void pause();
+  // Call after a pass that made progress: the next wait starts in the spin tier again.
+  void reset() { started_ = false; }
+  // True once this wait has reached the sleeping tier (used to throttle liveness checks).
+  bool sleeping() const { return sleep_us_ > 0; }
+
+ private:
+  int64_t spin_ns_, yield_ns_, sleep_max_us_;
+  bool started_ = false;
+  std::chrono::steady_clock::time_point start_;
+  int64_t sleep_us_ = 0;
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace cam

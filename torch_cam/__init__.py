@@ -1,0 +1,17 @@
+"""torch_cam: the memory-semantic torch.distributed backend "cam".
+
+Importing this package registers the backend, after which
+``torch.distributed.init_process_group("cam")`` (or ``new_group(..., backend="cam")``) gives a
+process group whose ranks exchange CPU tensors through a symmetric heap of shared memory.
+"""
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .config import Options
+from .backend import BACKEND_NAME, create_backend, get_cam_backend
+
+__all__ = ["Options", "BACKEND_NAME", "get_cam_backend", "__version__"]
+__version__ = "0.1.0"
+
+dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu"])

@@ -1,0 +1,71 @@
+"""Options of a cam group: the only place that reads TORCH_CAM_* environment variables.
+
+Precedence: defaults < environment < ``pg_options`` given to ``init_process_group`` or
+``new_group`` (an :class:`Options` or a plain dict). The native side validates the result
+against the group size and reports the offending field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+_ENV_PREFIX = "TORCH_CAM_"
+
+
+@dataclasses.dataclass
+class Options:
+    #: Data bytes of each rank's window; larger messages are chunked through it.
+    window_bytes: int = 32 << 20
+    #: Share of the window used for point-to-point outboxes (split over peers).
+    p2p_fraction: float = 0.25
+    #: Pipeline chunk of collectives (one staging slot).
+    chunk_bytes: int = 256 << 10
+    #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that
+    #: grow to sleep_max_us.
+    spin_us: int = 50
+    yield_us: int = 2000
+    sleep_max_us: int = 500
+    #: How often a waiting rank checks that its peers are alive.
+    liveness_interval_ms: int = 50
+    #: Poll interval of the background progress thread for ops nobody waits on.
+    progress_interval_us: int = 500
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Options":
+        environ = os.environ if environ is None else environ
+        opts = cls()
+        for field in dataclasses.fields(cls):
+            raw = environ.get(_ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                setattr(opts, field.name, _parse(field, raw, _ENV_PREFIX + field.name.upper()))
+        return opts
+
+    def merged(self, pg_options: Any) -> "Options":
+        """This object updated with user pg_options (Options, dict, or None)."""
+        if pg_options is None:
+            return dataclasses.replace(self)
+        if isinstance(pg_options, Options):
+            return dataclasses.replace(pg_options)
+        if isinstance(pg_options, dict):
+            names = {f.name: f for f in dataclasses.fields(self)}
+            unknown = sorted(set(pg_options) - set(names))
+            if unknown:
+                raise ValueError(f"cam pg_options: unknown option(s) {unknown}; known: {sorted(names)}")
+            out = dataclasses.replace(self)
+            for k, v in pg_options.items():
+                setattr(out, k, _parse(names[k], v, k))
+            return out
+        raise TypeError(
+            f"cam pg_options must be torch_cam.Options or a dict, got {type(pg_options).__name__}")
+
+    def to_native(self) -> dict[str, str]:
+        return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _parse(field: dataclasses.Field, raw: Any, where: str):
+    try:
+        return field.type_cast(raw) if hasattr(field, "type_cast") else (
+            float(raw) if field.type in (float, "float") else int(raw))
+    except (TypeError, ValueError):
+        raise ValueError(f"cam option {where}: expected {field.type}, got {raw!r}") from None
