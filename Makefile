@@ -1,0 +1,33 @@
+# Two entry points that work on a fresh machine (Python 3.10+, a C++ compiler, cmake):
+#   make demo   set up, build, run examples/demo.py on 4 ranks under torchrun
+#   make test   set up, build, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+NPROC  ?= 4
+
+.PHONY: setup build demo test bench clean
+
+$(VENV)/.setup-done:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) pytest expecttest numpy
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+build: setup
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+demo: build
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/demo.py
+
+test: build
+	bash tests/run_all.sh $(PY)
+
+bench: build
+	$(PY) benchmarks/bench_collectives.py --ranks 2 4 8
+
+clean:
+	rm -rf build torch_cam/_C*.so *.egg-info

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole suite, each part with a hard deadline so that nothing can hang CI.
+set -uo pipefail
+PY=${1:-.venv/bin/python}
+cd "$(dirname "$0")/.."
+status=0
+run() {  # run <deadline_s> <args...>
+  local deadline=$1; shift
+  echo "== $*"
+  timeout --kill-after=30 "$deadline" "$PY" -m pytest -q "$@" || status=1
+}
+run 900 tests/test_ops.py
+run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py
+if [ -f tests/dist_suite/run_dist_suite.py ]; then
+  run 900 tests/dist_suite/run_dist_suite.py
+fi
+leaked=$(ls /dev/shm 2>/dev/null | grep "^torch_cam\.$(id -u)\." || true)
+if [ -n "$leaked" ]; then
+  echo "FAILED: shared-memory segments left in /dev/shm: $leaked"
+  status=1
+fi
+exit $status
