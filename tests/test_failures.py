@@ -88,7 +88,7 @@ class TimeoutTest(unittest.TestCase):
     def test_timeout_names_op_and_peer(self):
         results = run_ranks(_silent_peer, 2, deadline_s=60)
         msg, elapsed = results[0][1]
-        self.assertRegex(msg, r"cam broadcast \(seq 1\) on rank 0: timed out after 2000 ms waiting for the "
+        self.assertRegex(msg, r"cam broadcast \(seq 1\) on rank 0: timeout after 2000 ms waiting for the "
                               r"collective descriptor from rank 1")
         self.assertGreaterEqual(elapsed, 1.9)
         self.assertLess(elapsed, 10)
