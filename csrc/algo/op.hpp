@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -56,6 +57,10 @@ class Op {
   const char* name() const { return name_; }
   uint64_t seq() const { return seq_; }
   Clock::time_point deadline() const { return deadline_; }
+  // The op's own timeout (its deadline was set at issue).
+  int64_t timeout_ms() const {
+    return std::llround(std::chrono::duration<double, std::milli>(deadline_ - issued_).count());
+  }
   const c10::intrusive_ptr<c10::ivalue::Future>& future() const { return future_; }
   int source_rank() const { return source_rank_; }
   std::vector<at::Tensor>& outputs() { return outputs_; }
@@ -80,6 +85,7 @@ class Op {
   const char* name_;
   uint64_t seq_;
   Clock::time_point deadline_;
+  Clock::time_point issued_ = Clock::now();
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool done_ = false;
   std::exception_ptr error_;

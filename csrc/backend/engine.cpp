@@ -140,7 +140,7 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
   const auto now = Clock::now();
   for (auto& op : pending_) {
     if (!op->done() && now > op->deadline()) {
-      fail_all(str(op->where(ctx_.rank), ": timeout after ", cfg_.timeout.count(),
+      fail_all(str(op->where(ctx_.rank), ": timeout after ", op->timeout_ms(),
                    " ms waiting for ", op->waiting_for()),
                finished);
       return;
