@@ -23,7 +23,7 @@ class Options:
     chunk_bytes: int = 256 << 10
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that
     #: grow to sleep_max_us.
-    spin_us: int = 50
+    spin_us: int = 5
     yield_us: int = 2000
     sleep_max_us: int = 500
     #: How often a waiting rank checks that its peers are alive.

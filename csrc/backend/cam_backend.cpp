@@ -1,5 +1,7 @@
 #include "cam_backend.hpp"
 
+#include <sched.h>
+
 #include "../algo/collective.hpp"
 #include "../algo/p2p.hpp"
 #include "../transport/shm_heap.hpp"
@@ -10,6 +12,10 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
                        CamConfig cfg, std::string group_id)
     : c10d::Backend(rank, size), group_id_(std::move(group_id)) {
   cfg.validate(size);
+  // More ranks than usable CPUs: a rank that pause-spins may be holding the very core the
+  // peer it waits for needs, so go straight to yielding.
+  cpu_set_t cpus;
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && size > CPU_COUNT(&cpus)) cfg.spin_us = 0;
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size));
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));

@@ -21,7 +21,7 @@ struct CamConfig {
   int64_t chunk_bytes = 256ll << 10;
   // Wait policy tiers, measured from the start of one wait: pause-spin, then sched_yield, then
   // sleeps growing up to sleep_max_us.
-  int64_t spin_us = 50;
+  int64_t spin_us = 5;
   int64_t yield_us = 2000;
   int64_t sleep_max_us = 500;
   // How often a waiter checks that the peers it waits on are alive and have not failed.
