@@ -1,0 +1,120 @@
+"""Shared pieces of bench_collectives.py and bench_mpi.py: the size list, the iteration plan,
+statistics and formatting. Pure Python (no torch, no mpi4py) so either side can import it.
+
+Timing method used by both benchmarks (so the numbers are comparable):
+
+* for each (op, size): one untimed op, then ``W`` warmup ops timed as a whole to estimate the
+  per-op cost ``t`` (max over ranks);
+* from ``t`` choose a batch ``B`` (ops per sample, so that a sample lasts ~``target_batch_s``)
+  and a sample count ``K`` (so that the cell takes ~``cell_budget_s``, clamped to
+  ``[min_samples, max_samples]``): iteration counts therefore shrink with size and with
+  oversubscription automatically;
+* each sample: barrier on the backend being measured, then ``B`` back-to-back ops timed on
+  every rank, divided by ``B``; the sample value is the MAX over ranks (one all-reduce MAX of the
+  ``K`` per-rank values after the timed loop, outside the timed region);
+* report the median and p90 (linear interpolation) of the ``K`` samples.
+
+Round trip (8-byte send/recv ping-pong between rank 0 and rank 1): the ping-pong synchronizes
+itself, so there is no barrier per sample; the value is rank 0's time per round trip. Ranks
+>= 2 wait meanwhile in a blocking (non-spinning) barrier so that they use no CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+FULL_SIZES = [1 * KiB, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
+QUICK_SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
+
+PINGPONG_BYTES = 8
+OPS = ["roundtrip", "broadcast", "all_to_all_single"]
+
+
+@dataclasses.dataclass
+class Plan:
+    target_batch_s: float   # a sample (batch of B ops) should last about this long
+    cell_budget_s: float    # timed part of one (op, size, backend) cell
+    min_samples: int
+    max_samples: int
+    max_batch: int
+    barrier_overhead_s: float = 5e-4
+
+    def warmup(self, nbytes: int) -> int:
+        if nbytes <= 64 * KiB:
+            w = 10
+        elif nbytes <= 1 * MiB:
+            w = 4
+        elif nbytes <= 16 * MiB:
+            w = 2
+        else:
+            w = 1
+        return max(1, w // 2) if self.max_samples <= 15 else w
+
+    def choose(self, per_op_s: float) -> tuple[int, int]:
+        """(batch, samples) for an op that costs about per_op_s."""
+        per_op_s = max(per_op_s, 1e-7)
+        batch = int(min(self.max_batch, max(1, self.target_batch_s // per_op_s)))
+        per_sample = batch * per_op_s + self.barrier_overhead_s
+        samples = int(min(self.max_samples, max(self.min_samples, self.cell_budget_s // per_sample)))
+        return batch, samples
+
+
+FULL_PLAN = Plan(target_batch_s=2e-3, cell_budget_s=2.0, min_samples=5, max_samples=50, max_batch=16)
+QUICK_PLAN = Plan(target_batch_s=1e-3, cell_budget_s=0.4, min_samples=3, max_samples=15, max_batch=8)
+
+
+def plan_for(quick: bool) -> Plan:
+    return QUICK_PLAN if quick else FULL_PLAN
+
+
+def sizes_for(quick: bool) -> list[int]:
+    return QUICK_SIZES if quick else FULL_SIZES
+
+
+def percentile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(samples_s: list[float]) -> dict:
+    return {
+        "median_us": percentile(samples_s, 0.5) * 1e6,
+        "p90_us": percentile(samples_s, 0.9) * 1e6,
+        "min_us": min(samples_s) * 1e6 if samples_s else math.nan,
+        "max_us": max(samples_s) * 1e6 if samples_s else math.nan,
+    }
+
+
+def fmt_size(nbytes: int) -> str:
+    if nbytes >= MiB and nbytes % MiB == 0:
+        return f"{nbytes // MiB} MiB"
+    if nbytes >= KiB and nbytes % KiB == 0:
+        return f"{nbytes // KiB} KiB"
+    return f"{nbytes} B"
+
+
+def fmt_time(us: float | None) -> str:
+    if us is None or (isinstance(us, float) and math.isnan(us)):
+        return "n/a"
+    if us < 1000:
+        return f"{us:.1f} µs"
+    if us < 1_000_000:
+        return f"{us / 1000:.2f} ms"
+    return f"{us / 1e6:.2f} s"
+
+
+def fmt_ratio(num: float | None, den: float | None) -> str:
+    if not num or not den or math.isnan(num) or math.isnan(den):
+        return "n/a"
+    return f"{num / den:.2f}x"
+
+
+def row_key(op: str, nbytes: int) -> str:
+    return f"{op}:{nbytes}"
