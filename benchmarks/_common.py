@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -72,6 +73,16 @@ def plan_for(quick: bool) -> Plan:
 
 def sizes_for(quick: bool) -> list[int]:
     return QUICK_SIZES if quick else FULL_SIZES
+
+
+def time_batch(fn, batch: int, before=None) -> float:
+    """Seconds per call of fn over one batch of back-to-back calls (before() runs untimed)."""
+    if before is not None:
+        before()
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        fn()
+    return (time.perf_counter() - t0) / batch
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -116,11 +116,7 @@ def _roundtrip_cell(backend: str, group, gloo, plan: C.Plan):
         else:
             dist.recv(est, 0, group=gloo)
         batch, samples = plan.choose(float(est.item()))
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                rt()
-            times.append((time.perf_counter() - t0) / batch)
+        times = [C.time_batch(rt, batch) for _ in range(samples)]
         # correctness: echo a distinctive payload through the measured backend
         if rank == 0:
             buf.copy_(torch.tensor([1234.5, -6.25]))
@@ -165,13 +161,7 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
         fn()
     est = _allreduce_max((time.perf_counter() - t0) / w, gloo)
     batch, samples = plan.choose(est)
-    times = []
-    for _ in range(samples):
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        times.append((time.perf_counter() - t0) / batch)
+    times = [C.time_batch(fn, batch, before=barrier) for _ in range(samples)]
     tt = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=gloo)
 

@@ -84,11 +84,7 @@ def _roundtrip(comm, plan, MPI, np):
         else:
             comm.Recv(est, source=0, tag=8)
         batch, samples = plan.choose(float(est[0]))
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                rt()
-            times.append((time.perf_counter() - t0) / batch)
+        times = [C.time_batch(rt, batch) for _ in range(samples)]
         # correctness: echo a distinctive payload
         if rank == 0:
             buf[:] = [1234.5, -6.25]
@@ -129,13 +125,7 @@ def _collective(comm, op, nbytes, plan, MPI, np):
         fn()
     est = comm.allreduce((time.perf_counter() - t0) / w, op=MPI.MAX)
     batch, samples = plan.choose(est)
-    times = np.zeros(samples)
-    for k in range(samples):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        times[k] = (time.perf_counter() - t0) / batch
+    times = np.array([C.time_batch(fn, batch, before=comm.Barrier) for _ in range(samples)])
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
 
     # correctness (once per size, after timing, with fresh values)

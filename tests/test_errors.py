@@ -53,15 +53,8 @@ class CamErrorsTest(MultiProcContinuousTest):
 
     def test_all_to_all_split_mismatch(self):
         # Rank 0 sends 2 rows to rank 1, but rank 1 expects 1 row from rank 0.
-        w, r = self.world_size, self.rank
-        send = [1] * w
-        recv = [1] * w
-        if r == 0:
-            send = [1, 2, 0]
-        if r == 0:
-            recv = [1, 1, 0]
-        if r == 2:
-            send = [0, 1, 1]
+        send = {0: [1, 2, 0], 1: [1, 1, 1], 2: [0, 1, 1]}[self.rank]
+        recv = {0: [1, 1, 0], 1: [1, 1, 1], 2: [1, 1, 1]}[self.rank]
         inp = torch.zeros(sum(send), 2)
         out = torch.zeros(sum(recv), 2)
         with self.assertRaisesRegex(RuntimeError, r"rank 0 sends 16 bytes of Float to (this rank|rank 1) but "

@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import unittest
 
@@ -95,14 +96,14 @@ class InitMethodsTest(unittest.TestCase):
             dist.destroy_process_group()
         """)
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        path = os.path.join(ROOT, "build", "env_init_probe.py")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(script)
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-             "--master-port", str(_free_port()), path],
-            env=env, capture_output=True, text=True, timeout=120)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "env_init_probe.py")
+            with open(path, "w") as f:
+                f.write(script)
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
+                 "--master-port", str(_free_port()), path],
+                env=env, capture_output=True, text=True, timeout=120)
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         for r in range(3):
             self.assertIn(f"rank {r}/3 backend cam ok", proc.stdout)

@@ -261,7 +261,8 @@ class CamOpsCases:
         out = torch.empty(w)
         dist.all_to_all_single(out, inp, group=g_rev)
         self.assertEqual(out.tolist(), [float(j) for j in range(w)])
-        dist.destroy_process_group(g_even) if r in evens else None
+        if r in evens:
+            dist.destroy_process_group(g_even)
         dist.barrier()
 
     def test_interleaved_collectives_and_p2p(self):

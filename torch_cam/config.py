@@ -64,8 +64,8 @@ class Options:
 
 
 def _parse(field: dataclasses.Field, raw: Any, where: str):
+    kind = float if field.type in (float, "float") else int
     try:
-        return field.type_cast(raw) if hasattr(field, "type_cast") else (
-            float(raw) if field.type in (float, "float") else int(raw))
+        return kind(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"cam option {where}: expected {field.type}, got {raw!r}") from None
+        raise ValueError(f"cam option {where}: expected {kind.__name__}, got {raw!r}") from None

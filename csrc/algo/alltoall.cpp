@@ -33,9 +33,9 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
     }
   }
   for (int a = 0; a < ctx.world; ++a) {
-    const int64_t* sends = ctx.L.desc_send_bytes(const_cast<CollDesc*>(descs[a]));
+    const int64_t* sends = ctx.L.desc_send_bytes(descs[a]);
     for (int b = 0; b < ctx.world; ++b) {
-      const int64_t* recvs = ctx.L.desc_recv_bytes(const_cast<CollDesc*>(descs[b]));
+      const int64_t* recvs = ctx.L.desc_recv_bytes(descs[b]);
       if (sends[b] != recvs[a]) {
         refuse(ctx, str(who(a), " sends ", describe_bytes(sends[b], dtype_), " to ", who(b), " but ",
                         who(b), " expects ", describe_bytes(recvs[a], dtype_), " from ", who(a),

@@ -3,12 +3,14 @@
 
 namespace cam {
 
-BroadcastOp::BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, at::Tensor tensor)
+BroadcastOp::BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, bool is_root,
+                         at::Tensor tensor)
     : CollectiveOp("broadcast", CollKind::kBroadcast, seq, deadline), root_(root),
       user_(std::move(tensor)) {
   // The root streams from a contiguous view of its data; a receiver lands bytes in a
   // contiguous buffer and copies into a strided tensor once at the end.
-  buf_ = user_.contiguous();
+  buf_ = is_root || user_.is_contiguous() ? user_.contiguous()
+                                          : at::empty_like(user_, at::MemoryFormat::Contiguous);
   nbytes_ = int64_t(buf_.nbytes());
 }
 

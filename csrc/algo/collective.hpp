@@ -59,7 +59,7 @@ class BarrierOp final : public CollectiveOp {
 // only after every reader has released it, so any size streams through a bounded window.
 class BroadcastOp final : public CollectiveOp {
  public:
-  BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, at::Tensor tensor);
+  BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, bool is_root, at::Tensor tensor);
   void finalize() override;
 
  protected:

@@ -72,7 +72,6 @@ class Op {
     return wait_peer_ < 0 ? std::string("its turn in the group's op queue")
                           : str(wait_what_, " from rank ", wait_peer_);
   }
-  int waiting_peer() const { return wait_peer_; }
 
  protected:
   void mark_done() { done_ = true; }

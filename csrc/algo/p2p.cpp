@@ -170,7 +170,7 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
       s.written = sizeof(h);
       ++tx_msgs_[dst];
     }
-    const int64_t framed = int64_t(sizeof(MsgHeader)) + padded(s.nbytes);
+    const int64_t framed = s.framed_bytes();
     const char* data = static_cast<const char*>(s.buf.data_ptr());
     while (s.written < framed) {
       int64_t space = R - int64_t(head - tail);

@@ -37,8 +37,11 @@ class SendOp final : public Op {
   SendOp(Clock::time_point deadline, int dst, int tag, at::Tensor tensor);
   bool step(Context&) override { return false; }  // progressed by P2PEngine
   void assign_index(uint64_t msg) { set_seq(msg); }
-  void waiting_on(int peer) { waiting(peer, written == 0 || !fully_written() ? "outbox space" : "a matching recv"); }
-  bool fully_written() const { return written >= int64_t(64 + (nbytes + 63) / 64 * 64); }
+  // Header plus payload padded to 64 bytes: what the message occupies in the outbox.
+  int64_t framed_bytes() const { return int64_t(sizeof(MsgHeader)) + (nbytes + 63) / 64 * 64; }
+  void waiting_on(int peer) {
+    waiting(peer, written < framed_bytes() ? "outbox space" : "a matching recv");
+  }
   void finish_ok() { mark_done(); }
   int dst, tag, dtype;
   at::Tensor buf;

@@ -99,7 +99,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::broadcast(std::vector<at::Tensor>& te
   auto dl = deadline(opts.timeout);
   const int root = int(opts.rootRank);
   return launch_collective(
-      [&](uint64_t seq) { return std::make_shared<BroadcastOp>(seq, dl, root, t); },
+      [&](uint64_t seq) { return std::make_shared<BroadcastOp>(seq, dl, root, root == rank_, t); },
       c10d::OpType::BROADCAST, "cam:broadcast", tensors);
 }
 
@@ -140,10 +140,13 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall_base(at::Tensor& output, at:
               ": input is ", input.scalar_type(), " but output is ", output.scalar_type());
   auto in_rows = resolve_splits(op, rank_, size_, input, input_splits, "input");
   auto out_rows = resolve_splits(op, rank_, size_, output, output_splits, "output");
-  const int64_t in_row_bytes =
-      input.dim() == 0 ? int64_t(input.nbytes()) : (input.size(0) ? int64_t(input.nbytes()) / input.size(0) : 0);
-  const int64_t out_row_bytes =
-      output.dim() == 0 ? int64_t(output.nbytes()) : (output.size(0) ? int64_t(output.nbytes()) / output.size(0) : 0);
+  // Bytes of one row along dim 0 (a 0-d tensor is one row).
+  auto row_bytes = [](const at::Tensor& t) -> int64_t {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    return rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
+  };
+  const int64_t in_row_bytes = row_bytes(input);
+  const int64_t out_row_bytes = row_bytes(output);
   if (input.numel() > 0 && output.numel() > 0) {
     TORCH_CHECK(in_row_bytes == out_row_bytes, "cam ", op, " on rank ", rank_,
                 ": input rows hold ", in_row_bytes, " bytes but output rows hold ", out_row_bytes,

@@ -32,11 +32,6 @@ void Engine::shutdown() {
   complete(finished);
 }
 
-std::string Engine::fatal_error() const {
-  std::lock_guard<std::mutex> lk(fatal_mu_);
-  return fatal_;
-}
-
 void Engine::submit(std::shared_ptr<Op> op) {
   active_.fetch_add(1);
   {
@@ -172,10 +167,7 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
 }
 
 void Engine::fail_all(const std::string& why, Finished& finished) {
-  {
-    std::lock_guard<std::mutex> lk(fatal_mu_);
-    if (fatal_.empty()) fatal_ = why;
-  }
+  if (fatal_.empty()) fatal_ = why;
   failed_.store(true);
   // Tell the peers, so that whoever waits on this rank fails now rather than at its timeout.
   ErrorReport* rep = ctx_.L.error(ctx_.me);

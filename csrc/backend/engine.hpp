@@ -40,8 +40,6 @@ class Engine {
 
   SymmetricHeap& heap() { return *heap_; }
   const CamConfig& config() const { return cfg_; }
-  // Non-empty once the group is unusable.
-  std::string fatal_error() const;
 
  private:
   using Finished = std::vector<std::shared_ptr<Op>>;
@@ -66,9 +64,8 @@ class Engine {
   std::vector<std::shared_ptr<Op>> pending_;  // every op not yet finished (deadlines, failure)
   P2PEngine p2p_;
   Clock::time_point next_liveness_check_;
-  std::string fatal_;             // written under drive_mu_
+  std::string fatal_;  // why the group is unusable; read and written under drive_mu_
   std::atomic<bool> failed_{false};
-  mutable std::mutex fatal_mu_;
 
   std::atomic<int64_t> active_{0};  // submitted and not finished
   std::atomic<int> waiters_{0};

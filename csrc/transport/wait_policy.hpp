@@ -18,8 +18,6 @@ class Backoff {
   void pause();
   // Call after a pass that made progress: the next wait starts in the spin tier again.
   void reset() { started_ = false; }
-  // True once this wait has reached the sleeping tier (used to throttle liveness checks).
-  bool sleeping() const { return sleep_us_ > 0; }
 
  private:
   int64_t spin_ns_, yield_ns_, sleep_max_us_;

@@ -77,6 +77,8 @@ class WindowLayout {
   }
   int64_t* desc_send_bytes(CollDesc* d) const { return reinterpret_cast<int64_t*>(d + 1); }
   int64_t* desc_recv_bytes(CollDesc* d) const { return desc_send_bytes(d) + n_; }
+  const int64_t* desc_send_bytes(const CollDesc* d) const { return reinterpret_cast<const int64_t*>(d + 1); }
+  const int64_t* desc_recv_bytes(const CollDesc* d) const { return desc_send_bytes(d) + n_; }
   // Collective streams: produced[dst] in the producer's window, consumed[src] in the consumer's.
   uint64_t& produced(char* w, int dst) const { return line(w, off_produced_, dst); }
   uint64_t& consumed(char* w, int src) const { return line(w, off_consumed_, src); }
