@@ -46,6 +46,7 @@ import math
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -302,7 +303,38 @@ def header(world: int, args) -> str:
             f"{'ranks pinned to core rank % cores' if args.pin else 'ranks not pinned'}")
 
 
-def table(world: int, res: dict, mpi: dict | None, args) -> str:
+_FLOOR_SCRIPT = """
+import statistics, time, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+x = torch.zeros(2)
+def rt():
+    dist.send(x, 1)
+    dist.recv(x, 1)
+for _ in range(2000):
+    rt()
+samples = []
+for _ in range(21):
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        rt()
+    samples.append((time.perf_counter() - t0) / 1000)
+print(statistics.median(samples) * 1e6)
+"""
+
+
+def do_nothing_floor_us() -> float | None:
+    """What one rank pays for a send + a recv from Python on a backend that does nothing
+    (torch's own "fake" backend): the Python floor the round-trip target is measured against."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _FLOOR_SCRIPT], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None = None) -> str:
     by = {(r["op"], r["size"], r["backend"]): r for r in res["rows"]}
     mpi_rows = {(r["op"], r["size"]): r for r in (mpi or {}).get("rows", [])}
     with_mpi = mpi is not None
@@ -336,6 +368,11 @@ def table(world: int, res: dict, mpi: dict | None, args) -> str:
         cells.append("WRONG: " + ",".join(bad) if bad else "ok")
         lines.append("| " + " | ".join(cells) + " |")
     notes = []
+    cam_rt = by.get(("roundtrip", C.PINGPONG_BYTES, "cam"))
+    if floor_us and cam_rt:
+        notes.append(f"do-nothing floor: one send + one recv from Python on torch's 'fake' backend costs "
+                     f"{C.fmt_time(floor_us)}; the cam 8 B round trip is "
+                     f"{cam_rt['median_us'] / floor_us:.2f}x that")
     if res.get("error"):
         notes.append(f"**error:** {res['error']}" +
                      (f" (running: {res['current']})" if res.get("current") else ""))
@@ -379,6 +416,7 @@ def main():
     mpi_ranks = set(args.mpi_ranks if args.mpi_ranks is not None else args.ranks)
 
     t_all = time.time()
+    floor_us = do_nothing_floor_us()
     out_parts = [f"# torch_cam collectives benchmark\n\ncommand: `{' '.join([sys.executable] + sys.argv)}`\n"]
     if args.out:
         with open(args.out, "w") as f:
@@ -394,7 +432,7 @@ def main():
             print(f"== world size {world}: Open MPI", file=sys.stderr, flush=True)
             import bench_mpi
             mpi = bench_mpi.run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin)
-        md = table(world, res, mpi, args)
+        md = table(world, res, mpi, args, floor_us)
         print(md + "\n", flush=True)
         out_parts.append(md + "\n")
         if args.out:
