@@ -23,7 +23,8 @@ def _init(rank, world_size, init_file, timeout_s=60, pg_options=None):
 
 
 def _killed_mid_op(rank, world_size, init_file, op):
-    _init(rank, world_size, init_file)
+    _init(rank, world_size, init_file,
+          pg_options={"single_copy_bytes": 1 << 20} if op == "all_to_all_single_copy" else None)
     dist.barrier()
     if rank == world_size - 1:
         time.sleep(0.3)  # let the others enter the op and wait on this rank
@@ -34,6 +35,9 @@ def _killed_mid_op(rank, world_size, init_file, op):
             dist.broadcast(torch.zeros(4 << 20), src=world_size - 1)
         elif op == "all_to_all":
             dist.all_to_all_single(torch.empty(world_size * 1000), torch.ones(world_size * 1000))
+        elif op == "all_to_all_single_copy":  # blocks read straight from the peer's memory
+            n = world_size * (4 << 20)
+            dist.all_to_all_single(torch.empty(n), torch.ones(n))
         elif op == "recv":
             dist.recv(torch.empty(10), world_size - 1)
     except RuntimeError as e:
@@ -66,6 +70,9 @@ class PeerDeathTest(unittest.TestCase):
 
     def test_killed_during_all_to_all(self):
         self._check("all_to_all")
+
+    def test_killed_during_single_copy_all_to_all(self):
+        self._check("all_to_all_single_copy")
 
     def test_killed_during_recv(self):
         self._check("recv")

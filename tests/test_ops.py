@@ -139,6 +139,28 @@ class CamOpsCases:
         for j in range(w):
             self.assertTrue(same_bytes(outputs[j], make(sizes(j, r), torch.float16, seed=j * 31 + r)))
 
+    def test_all_to_all_path_by_size(self):
+        # With the single-copy path on, large blocks are read straight from the sender's tensor
+        # (this machine allows it); otherwise they are staged: either way the bytes travel by
+        # exactly one path, and arrive intact.
+        be = torch_cam.get_cam_backend()
+        single_copy = "single_copy_bytes=0" not in be.config
+        if single_copy:
+            self.assertTrue(be.direct_read_available, "process_vm_readv probe failed on this machine")
+        w, r = self.world_size, self.rank
+        rows = 80_000  # 320 KB blocks: above the 256 KiB threshold of the single-copy class
+        inp = make((rows * w,), torch.float32, seed=r)
+        out = torch.empty_like(inp)
+        before = be.stats()
+        dist.all_to_all_single(out, inp)
+        after = be.stats()
+        peer_bytes = (w - 1) * rows * 4
+        direct = after["direct_read_bytes"] - before["direct_read_bytes"]
+        staged = after["staged_bytes"] - before["staged_bytes"]
+        self.assertEqual((direct, staged), (peer_bytes, 0) if single_copy else (0, peer_bytes))
+        expected = torch.cat([make((rows * w,), torch.float32, seed=j)[r * rows:(r + 1) * rows] for j in range(w)])
+        self.assertTrue(same_bytes(out, expected))
+
     def test_all_to_all_async(self):
         w, r = self.world_size, self.rank
         inp = make((w * 1000,), torch.int32, seed=r)
@@ -293,6 +315,17 @@ class CamOps4(CamOpsCases, MultiProcContinuousTest):
 
 class CamOps8(CamOpsCases, MultiProcContinuousTest):
     world_size = 8
+
+
+class CamOps3SingleCopy(CamOpsCases, MultiProcContinuousTest):
+    """The single-copy path on (blocks from 256 KiB read straight from the sender's tensor),
+    so every case also runs with large blocks taking it and small ones staged."""
+
+    world_size = 3
+
+    @classmethod
+    def opts(cls, high_priority_stream=False):
+        return {**CamOpsCases.opts(), "single_copy_bytes": 256 << 10}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ class Options:
     p2p_fraction: float = 0.25
     #: Pipeline chunk of collectives (one staging slot).
     chunk_bytes: int = 256 << 10
+    #: All-to-all blocks this large are read straight from the sender's tensor (one copy,
+    #: process_vm_readv) where the kernel allows it; 0 (default) keeps every byte staged
+    #: through the windows, which measured faster on the development machine.
+    single_copy_bytes: int = 0
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that
     #: grow to sleep_max_us.
     spin_us: int = 5

@@ -2,6 +2,11 @@
 #include "collective.hpp"
 
 namespace cam {
+namespace {
+// Direct reads are issued in pieces of this size: large enough to amortize the syscall,
+// small enough to interleave several peers within one progress pass.
+constexpr int64_t kDirectPieceBytes = 4ll << 20;
+}  // namespace
 
 AllToAllOp::AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadline, int dtype,
                        std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
@@ -16,11 +21,14 @@ AllToAllOp::AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadlin
 
 void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
   d->dtype = dtype_;
+  d->direct_min_bytes = ctx.heap.direct_read_available() ? ctx.cfg.single_copy_bytes : 0;
   int64_t* s = ctx.L.desc_send_bytes(d);
   int64_t* r = ctx.L.desc_recv_bytes(d);
+  uint64_t* a = ctx.L.desc_send_addr(d);
   for (int j = 0; j < ctx.world; ++j) {
     s[j] = send_[j].nbytes;
     r[j] = recv_[j].nbytes;
+    a[j] = reinterpret_cast<uint64_t>(send_[j].ptr);
   }
 }
 
@@ -44,6 +52,23 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
       }
     }
   }
+  // Sizes agree: decide, identically on both ends, which blocks move by direct read. The
+  // receiver's threshold rules (it is in the receiver's descriptor, seen by both).
+  const int n = ctx.world, me = ctx.rank;
+  auto direct = [&](int receiver, int64_t nbytes) {
+    const int64_t min = descs[receiver]->direct_min_bytes;
+    return min > 0 && nbytes >= min;
+  };
+  direct_send_.assign(n, 0);
+  direct_recv_.assign(n, 0);
+  src_addr_.assign(n, 0);
+  direct_done_.assign(n, 0);
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    direct_send_[p] = direct(p, send_[p].nbytes);
+    direct_recv_[p] = direct(me, recv_[p].nbytes);
+    src_addr_[p] = ctx.L.desc_send_addr(descs[p])[me];
+  }
 }
 
 bool AllToAllOp::data_step(Context& ctx) {
@@ -53,8 +78,15 @@ bool AllToAllOp::data_step(Context& ctx) {
     region_bytes_ = L.coll_bytes() / n / 64 * 64;
     slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, region_bytes_ / 2) / 64 * 64;
     nslots_ = region_bytes_ / slot_bytes_;
+    auto chunks = [&](int64_t bytes) { return (bytes + slot_bytes_ - 1) / slot_bytes_; };
+    nsend_.assign(n, 0);
+    nrecv_.assign(n, 0);
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      nsend_[p] = direct_send_[p] ? 1 : chunks(send_[p].nbytes);
+      nrecv_[p] = direct_recv_[p] ? 1 : chunks(recv_[p].nbytes);
+    }
   }
-  auto chunks = [&](int64_t bytes) { return (bytes + slot_bytes_ - 1) / slot_bytes_; };
   bool progress = false;
   if (!local_done_) {
     kernels::copy_bytes(recv_[me].ptr, send_[me].ptr, send_[me].nbytes);
@@ -66,8 +98,17 @@ bool AllToAllOp::data_step(Context& ctx) {
   // Peers are visited in a rotated order so that ranks do not all hit one peer at once.
   for (int d = 1; d < n; ++d) {
     const int dst = (me + d) % n;
-    const int64_t nsend = chunks(send_[dst].nbytes);
-    if (sent_[dst] < nsend) {
+    const int64_t nsend = nsend_[dst];
+    if (direct_send_[dst] && sent_[dst] == 0) {
+      // dst reads the block itself; the op may finish only once it says it is done.
+      if (signal_acquire(L.consumed(ctx.peer(dst), me)) >= stream_value(seq(), 1)) {
+        sent_[dst] = 1;
+        progress = true;
+      } else {
+        waiting(dst, "the direct read of this rank's all-to-all block");
+      }
+      all_done &= sent_[dst] == 1;
+    } else if (sent_[dst] < nsend) {
       const uint64_t released = signal_acquire(L.consumed(ctx.peer(dst), me));
       char* ring = my_region + dst * region_bytes_;
       while (sent_[dst] < nsend) {
@@ -77,8 +118,9 @@ bool AllToAllOp::data_step(Context& ctx) {
           break;
         }
         const int64_t off = k * slot_bytes_;
-        kernels::copy_bytes(ring + (k % nslots_) * slot_bytes_, send_[dst].ptr + off,
-                            std::min(slot_bytes_, send_[dst].nbytes - off));
+        const int64_t len = std::min(slot_bytes_, send_[dst].nbytes - off);
+        kernels::copy_bytes(ring + (k % nslots_) * slot_bytes_, send_[dst].ptr + off, len);
+        ctx.stats.add(ctx.stats.staged_bytes, len);
         kernels::store_fence();
         signal_release(L.produced(ctx.me, dst), stream_value(seq(), k + 1));
         ++sent_[dst];
@@ -87,8 +129,22 @@ bool AllToAllOp::data_step(Context& ctx) {
       all_done &= sent_[dst] == nsend;
     }
     const int src = (me - d + n) % n;
-    const int64_t nrecv = chunks(recv_[src].nbytes);
-    if (received_[src] < nrecv) {
+    const int64_t nrecv = nrecv_[src];
+    if (direct_recv_[src] && received_[src] == 0) {
+      // One piece per pass, so that staged channels and other readers keep flowing.
+      const int64_t total = recv_[src].nbytes;
+      const int64_t piece = std::min<int64_t>(kDirectPieceBytes, total - direct_done_[src]);
+      ctx.heap.read_peer(src, recv_[src].ptr + direct_done_[src], src_addr_[src] + direct_done_[src],
+                         size_t(piece));
+      ctx.stats.add(ctx.stats.direct_read_bytes, piece);
+      direct_done_[src] += piece;
+      progress = true;
+      if (direct_done_[src] == total) {
+        signal_release(L.consumed(ctx.me, src), stream_value(seq(), 1));
+        received_[src] = 1;
+      }
+      all_done &= received_[src] == 1;
+    } else if (received_[src] < nrecv) {
       const uint64_t ready = signal_acquire(L.produced(ctx.peer(src), me));
       const char* ring = L.coll_region(ctx.peer(src)) + me * region_bytes_;
       while (received_[src] < nrecv) {

@@ -62,8 +62,9 @@ bool BroadcastOp::data_step(Context& ctx) {
         }
       }
       const int64_t off = k * slot_bytes_;
-      kernels::copy_bytes(region + (k % nslots_) * slot_bytes_, data + off,
-                          std::min(slot_bytes_, nbytes_ - off));
+      const int64_t len = std::min(slot_bytes_, nbytes_ - off);
+      kernels::copy_bytes(region + (k % nslots_) * slot_bytes_, data + off, len);
+      ctx.stats.add(ctx.stats.staged_bytes, len);
       kernels::store_fence();
       signal_release(L.produced(ctx.me, root_), stream_value(seq(), k + 1));
       progress = true;

@@ -75,7 +75,10 @@ class BroadcastOp final : public CollectiveOp {
 
 // All-to-all over per-pair channels: rank i's staging region is split into one ring per
 // destination; i streams its block for j into ring j, j copies it straight into its output.
-// Every pair pipelines independently; the local block is a direct copy.
+// Every pair pipelines independently; the local block is a direct copy. A block large enough
+// for the receiver's single-copy threshold skips the ring: the receiver reads it straight out
+// of the sender's tensor (address published in the descriptor) and then signals the sender,
+// which keeps the tensor untouched until every such reader is done.
 struct AllToAllBlock {
   char* ptr = nullptr;
   int64_t nbytes = 0;
@@ -102,7 +105,11 @@ class AllToAllOp final : public CollectiveOp {
   std::vector<AllToAllBlock> send_, recv_;
   std::vector<at::Tensor> keep_alive_;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;
-  std::vector<int64_t> sent_, received_;  // chunks per peer
+  std::vector<int64_t> sent_, received_;  // chunks per peer (a direct block counts as one)
+  std::vector<int64_t> nsend_, nrecv_;     // chunks to move per peer
+  std::vector<char> direct_send_, direct_recv_;
+  std::vector<uint64_t> src_addr_;         // where rank i keeps its block for this rank
+  std::vector<int64_t> direct_done_;       // bytes read so far per direct source
   int64_t region_bytes_ = 0, slot_bytes_ = 0, nslots_ = 0;
   bool local_done_ = false;
 };

@@ -7,6 +7,8 @@
 #include <ATen/core/ivalue_inl.h>
 #include <ATen/ATen.h>
 
+#include <atomic>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +22,13 @@
 
 namespace cam {
 
+// Bytes moved per path, for stats() and for tests that check which path an op took.
+struct Stats {
+  std::atomic<uint64_t> staged_bytes{0};       // copied into this rank's window for peers
+  std::atomic<uint64_t> direct_read_bytes{0};  // read straight from peers' memory
+  void add(std::atomic<uint64_t>& counter, int64_t n) { counter.fetch_add(uint64_t(n), std::memory_order_relaxed); }
+};
+
 // What algorithms see of the world: the heap (windows of every rank) and the configuration.
 struct Context {
   SymmetricHeap& heap;
@@ -28,6 +37,7 @@ struct Context {
   int rank;
   int world;
   char* me;  // own window
+  Stats& stats;
   char* peer(int r) const { return heap.base(r); }
 };
 

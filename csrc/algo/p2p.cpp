@@ -184,6 +184,7 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
       const int64_t payload_off = s.written - int64_t(sizeof(MsgHeader));
       const int64_t copy = std::clamp<int64_t>(s.nbytes - payload_off, 0, n);
       kernels::ring_write(ring, R, head, data + payload_off, copy);
+      ctx.stats.add(ctx.stats.staged_bytes, copy);
       head += n;
       s.written += n;
     }

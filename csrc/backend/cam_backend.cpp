@@ -34,6 +34,14 @@ int64_t CamBackend::window_bytes_mapped() const {
   return int64_t(engine_->heap().layout().total_bytes()) * size_;
 }
 
+std::map<std::string, int64_t> CamBackend::stats() const {
+  const Stats& s = engine_->stats();
+  return {{"heap_bytes", window_bytes_mapped()},
+          {"window_bytes", int64_t(engine_->heap().layout().total_bytes())},
+          {"staged_bytes", int64_t(s.staged_bytes.load())},
+          {"direct_read_bytes", int64_t(s.direct_read_bytes.load())}};
+}
+
 Clock::time_point CamBackend::deadline(std::chrono::milliseconds op_timeout) const {
   auto t = op_timeout == c10d::kUnsetTimeout || op_timeout.count() <= 0 ? engine_->config().timeout
                                                                         : op_timeout;

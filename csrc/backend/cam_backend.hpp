@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <map>
 #include <mutex>
 
 #include "cam_work.hpp"
@@ -44,6 +45,8 @@ class CamBackend : public c10d::Backend {
   std::string config_string() const { return engine_->config().to_string(); }
   const std::string& group_id() const { return group_id_; }
   int64_t window_bytes_mapped() const;
+  bool direct_read_available() const { return engine_->heap().direct_read_available(); }
+  std::map<std::string, int64_t> stats() const;
 
  private:
   Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;

@@ -8,7 +8,7 @@ namespace cam {
 
 Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg)
     : heap_(std::move(heap)), cfg_(std::move(cfg)),
-      ctx_{*heap_, cfg_, heap_->layout(), heap_->rank(), heap_->world_size(), heap_->base(heap_->rank())},
+      ctx_{*heap_, cfg_, heap_->layout(), heap_->rank(), heap_->world_size(), heap_->base(heap_->rank()), stats_},
       p2p_(heap_->world_size()), next_liveness_check_(Clock::now()) {
   thread_ = std::thread([this] { progress_thread_main(); });
 }

@@ -40,6 +40,7 @@ class Engine {
 
   SymmetricHeap& heap() { return *heap_; }
   const CamConfig& config() const { return cfg_; }
+  const Stats& stats() const { return stats_; }
 
  private:
   using Finished = std::vector<std::shared_ptr<Op>>;
@@ -54,6 +55,7 @@ class Engine {
 
   std::unique_ptr<SymmetricHeap> heap_;
   CamConfig cfg_;
+  Stats stats_;
   Context ctx_;
 
   std::mutex submit_mu_;  // guards incoming_

@@ -24,6 +24,7 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
     };
     if (key == "window_bytes") c.window_bytes = as_int();
     else if (key == "chunk_bytes") c.chunk_bytes = as_int();
+    else if (key == "single_copy_bytes") c.single_copy_bytes = as_int();
     else if (key == "spin_us") c.spin_us = as_int();
     else if (key == "yield_us") c.yield_us = as_int();
     else if (key == "sleep_max_us") c.sleep_max_us = as_int();
@@ -51,6 +52,8 @@ void CamConfig::validate(int world_size) const {
   TORCH_CHECK(chunk_bytes >= 4096 && chunk_bytes % 64 == 0,
               "cam option chunk_bytes: expected a multiple of 64 that is >= 4096, got ",
               chunk_bytes);
+  TORCH_CHECK(single_copy_bytes >= 0, "cam option single_copy_bytes: expected >= 0 (0 disables), got ",
+              single_copy_bytes);
   TORCH_CHECK(p2p_fraction > 0.0 && p2p_fraction < 1.0,
               "cam option p2p_fraction: expected a value in (0, 1), got ", p2p_fraction);
   TORCH_CHECK(p2p_ring_bytes(world_size) >= 8192,
@@ -73,7 +76,7 @@ void CamConfig::validate(int world_size) const {
 std::string CamConfig::to_string() const {
   std::ostringstream os;
   os << "window_bytes=" << window_bytes << " p2p_fraction=" << p2p_fraction
-     << " chunk_bytes=" << chunk_bytes << " spin_us=" << spin_us << " yield_us=" << yield_us
+     << " chunk_bytes=" << chunk_bytes << " single_copy_bytes=" << single_copy_bytes << " spin_us=" << spin_us << " yield_us=" << yield_us
      << " sleep_max_us=" << sleep_max_us << " liveness_interval_ms=" << liveness_interval_ms
      << " progress_interval_us=" << progress_interval_us << " timeout_ms=" << timeout.count();
   return os.str();

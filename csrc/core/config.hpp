@@ -19,6 +19,12 @@ struct CamConfig {
   double p2p_fraction = 0.25;
   // Pipeline granularity of collectives: one slot of a staging ring.
   int64_t chunk_bytes = 256ll << 10;
+  // All-to-all blocks of at least this many bytes are read straight out of the sender's
+  // tensor (process_vm_readv: one copy instead of two through the window) when every rank's
+  // probe at init allowed it. 0 (the default) disables it: on the 2-core development machine
+  // the kernel copy runs at ~11 GB/s while two pipelined memcpys through the window finish
+  // sooner (benchmarks/bench_single_copy.py measures both).
+  int64_t single_copy_bytes = 0;
   // Wait policy tiers, measured from the start of one wait: pause-spin, then sched_yield, then
   // sleeps growing up to sleep_max_us.
   int64_t spin_us = 5;

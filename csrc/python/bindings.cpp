@@ -1,6 +1,7 @@
 // Python module torch_cam._C: the backend class and its factory. Registration with
 // torch.distributed happens in torch_cam/__init__.py (Python), never at library load.
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 #include <torch/python.h>
 
 #include "../backend/cam_backend.hpp"
@@ -23,7 +24,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("config", &cam::CamBackend::config_string)
       .def_property_readonly("group_id", &cam::CamBackend::group_id)
       .def_property_readonly("heap_bytes", &cam::CamBackend::window_bytes_mapped,
-                             "Bytes of symmetric heap this rank maps (all windows of the group)");
+                             "Bytes of symmetric heap this rank maps (all windows of the group)")
+      .def_property_readonly("direct_read_available", &cam::CamBackend::direct_read_available,
+                             "Whether this rank can read peers' memory directly (single-copy path)")
+      .def("stats", &cam::CamBackend::stats,
+           "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
         "Remove /dev/shm names left by cam processes of this user that no longer exist");
 }

@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "../core/errors.hpp"
+
 #include "window_layout.hpp"
 
 namespace cam {
@@ -19,6 +21,15 @@ class SymmetricHeap {
   // Empty when the peer is alive; otherwise a sentence saying why it is considered dead.
   virtual std::string peer_failure(int rank) const = 0;
   virtual int64_t peer_pid(int rank) const = 0;
+
+  // Single-copy path: read bytes straight out of a peer's address space (any memory of the
+  // peer, not only its window). True when this rank can do so with every peer.
+  virtual bool direct_read_available() const { return false; }
+  // Copies n bytes at remote_addr in rank's address space to local. Throws FatalError naming
+  // the peer on failure (peer gone, permission withdrawn).
+  virtual void read_peer(int rank, void* local, uint64_t remote_addr, size_t n) const {
+    throw FatalError(str("cam: this transport cannot read rank ", rank, "'s memory directly"));
+  }
 };
 
 }  // namespace cam

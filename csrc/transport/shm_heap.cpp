@@ -1,5 +1,7 @@
 #include "shm_heap.hpp"
 
+#include "../core/errors.hpp"
+
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -7,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -76,7 +79,8 @@ std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()
 
 std::string serialize(const PeerInfo& p) {
   std::ostringstream os;
-  os << p.segment << '\n' << p.pid << '\n' << p.start_time << '\n' << p.host << '\n' << p.shm_dev;
+  os << p.segment << '\n' << p.pid << '\n' << p.start_time << '\n' << p.host << '\n' << p.shm_dev
+     << '\n' << p.window_addr;
   return os.str();
 }
 
@@ -89,6 +93,7 @@ PeerInfo deserialize(const std::vector<uint8_t>& b) {
   std::getline(is, line); p.start_time = std::stoull(line);
   std::getline(is, p.host);
   std::getline(is, p.shm_dev);
+  std::getline(is, line); p.window_addr = std::stoull(line);
   return p;
 }
 
@@ -128,6 +133,7 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   own_name_ = me.segment;
   try {
     create_own_window();
+    me.window_addr = reinterpret_cast<uint64_t>(bases_[rank_]);
     store->set("cam/window/" + std::to_string(rank_), to_bytes(serialize(me)));
     for (int r = 0; r < world_; ++r) {
       if (r == rank_) continue;
@@ -161,6 +167,8 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
                   "cam init on rank ", rank_, ": rank ", r,
                   "'s window has a different layout (was it built by another torch_cam version?)");
     }
+    // Every peer is alive and its window exists now: the moment to probe direct reads.
+    direct_read_ = probe_direct_read();
     store->set("cam/mapped/" + std::to_string(rank_), to_bytes("1"));
     std::vector<std::string> keys;
     for (int r = 0; r < world_; ++r) keys.push_back("cam/mapped/" + std::to_string(r));
@@ -223,6 +231,43 @@ void ShmHeap::create_own_window() {
   h->pid = getpid();
   h->data_bytes = int64_t(bytes - layout_.control_bytes());
   signal_release(h->magic, kWindowMagic);
+}
+
+bool ShmHeap::probe_direct_read() const {
+  // Refused where ptrace is restricted (Yama scope 2-3, seccomp in some containers, different
+  // user namespaces): then every transfer stages through the windows.
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    uint64_t magic = 0;
+    iovec local{&magic, sizeof(magic)};
+    iovec remote{reinterpret_cast<void*>(peers_[r].window_addr), sizeof(magic)};
+    if (process_vm_readv(pid_t(peers_[r].pid), &local, 1, &remote, 1, 0) != ssize_t(sizeof(magic)) ||
+        magic != kWindowMagic)
+      return false;
+  }
+  return true;
+}
+
+void ShmHeap::read_peer(int r, void* local, uint64_t remote_addr, size_t n) const {
+  char* dst = static_cast<char*>(local);
+  while (n > 0) {
+    iovec l{dst, n};
+    iovec rem{reinterpret_cast<void*>(remote_addr), n};
+    ssize_t got = process_vm_readv(pid_t(peers_[r].pid), &l, 1, &rem, 1, 0);
+    if (got <= 0) {
+      const int err = errno;
+      const std::string dead = peer_failure(r);
+      if (!dead.empty()) {
+        throw FatalError(str("cam on rank ", rank_, ": peer rank ", r, " died (", dead,
+                             ") while this rank was reading its data directly"));
+      }
+      throw FatalError(str("cam on rank ", rank_, ": direct read of ", n, " bytes from rank ", r,
+                           " (pid ", peers_[r].pid, ") failed: ", std::strerror(err)));
+    }
+    dst += got;
+    remote_addr += uint64_t(got);
+    n -= size_t(got);
+  }
 }
 
 std::string ShmHeap::peer_failure(int r) const {

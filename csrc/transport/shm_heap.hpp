@@ -25,6 +25,7 @@ struct PeerInfo {
   uint64_t start_time = 0;  // /proc/<pid>/stat field 22, guards against pid reuse
   std::string host;         // hostname + boot id
   std::string shm_dev;      // device and inode of /dev/shm
+  uint64_t window_addr = 0; // where the owner mapped its window (target of the probe)
 };
 
 class ShmHeap final : public SymmetricHeap {
@@ -39,12 +40,16 @@ class ShmHeap final : public SymmetricHeap {
   char* base(int r) const override { return bases_[r]; }
   std::string peer_failure(int r) const override;
   int64_t peer_pid(int r) const override { return peers_[r].pid; }
+  bool direct_read_available() const override { return direct_read_; }
+  // Cross-memory attach (process_vm_readv): one kernel copy, no staging through the window.
+  void read_peer(int rank, void* local, uint64_t remote_addr, size_t n) const override;
 
   // Removes /dev/shm names left by cam processes of this user that no longer exist.
   static int sweep_stale_segments();
 
  private:
   void create_own_window();
+  bool probe_direct_read() const;
   void unmap_all();
   int rank_, world_;
   WindowLayout layout_;
@@ -52,6 +57,7 @@ class ShmHeap final : public SymmetricHeap {
   std::vector<PeerInfo> peers_;
   std::string own_name_;
   bool own_unlinked_ = false;
+  bool direct_read_ = false;
 };
 
 }  // namespace cam

@@ -8,7 +8,7 @@ size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 WindowLayout::WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes)
     : n_(world_size), p2p_ring_(p2p_ring_bytes), coll_bytes_(coll_bytes) {
   const size_t lines = size_t(n_) * sizeof(SignalLine);
-  desc_slot_ = align_up(sizeof(CollDesc) + 2 * sizeof(int64_t) * n_, 64);
+  desc_slot_ = align_up(sizeof(CollDesc) + 3 * sizeof(int64_t) * n_, 64);
   size_t off = align_up(sizeof(WindowHeader), 64);
   off_error_ = off;      off += align_up(sizeof(ErrorReport), 64);
   off_desc_seq_ = off;   off += sizeof(SignalLine);

@@ -17,7 +17,7 @@
 
 namespace cam {
 
-constexpr uint64_t kWindowMagic = 0x43414d57494e0001ull;  // "CAMWIN" v1
+constexpr uint64_t kWindowMagic = 0x43414d57494e0002ull;  // "CAMWIN" v2
 constexpr int kAckSlots = 64;           // unacknowledged p2p messages per (src, dst)
 constexpr size_t kErrorTextBytes = 1024;
 
@@ -45,7 +45,10 @@ struct alignas(64) CollDesc {
   int32_t dtype;     // c10::ScalarType
   int32_t elem_size;
   int64_t nbytes;    // broadcast: payload bytes
-  // followed in the slot by int64 send_bytes[N], recv_bytes[N] (all-to-all)
+  // > 0: this rank reads blocks of at least this many bytes straight from the sender's memory
+  // (single-copy path); 0: everything sent to it is staged through the window.
+  int64_t direct_min_bytes;
+  // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all)
 };
 
 struct alignas(32) AckSlot {
@@ -79,6 +82,11 @@ class WindowLayout {
   int64_t* desc_recv_bytes(CollDesc* d) const { return desc_send_bytes(d) + n_; }
   const int64_t* desc_send_bytes(const CollDesc* d) const { return reinterpret_cast<const int64_t*>(d + 1); }
   const int64_t* desc_recv_bytes(const CollDesc* d) const { return desc_send_bytes(d) + n_; }
+  // Address, in the owner's address space, of its block for each destination.
+  uint64_t* desc_send_addr(CollDesc* d) const { return reinterpret_cast<uint64_t*>(desc_recv_bytes(d) + n_); }
+  const uint64_t* desc_send_addr(const CollDesc* d) const {
+    return reinterpret_cast<const uint64_t*>(desc_recv_bytes(d) + n_);
+  }
   // Collective streams: produced[dst] in the producer's window, consumed[src] in the consumer's.
   uint64_t& produced(char* w, int dst) const { return line(w, off_produced_, dst); }
   uint64_t& consumed(char* w, int src) const { return line(w, off_consumed_, src); }
