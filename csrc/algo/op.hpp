@@ -47,9 +47,13 @@ class Op {
  public:
   Op(const char* name, uint64_t seq, Clock::time_point deadline)
       : name_(name), seq_(seq), deadline_(deadline),
-        future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {}
+        future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())) {}
   virtual ~Op() = default;
+  // The type of every op's Future value, built once instead of on every op.
+  static const c10::TypePtr& tensor_list_type() {
+    static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+    return type;
+  }
 
   virtual bool is_collective() const { return false; }
   // Makes all progress possible now without blocking; returns whether anything moved.
