@@ -12,13 +12,16 @@ import torch.distributed as dist
 import torch_cam  # noqa: F401  registers the "cam" backend
 
 
-def timed(fn, group, iters):
+def timed(fn, group, iters, batch=5):
+    # A sample is a batch of back-to-back ops after a barrier, so the skew of ranks leaving the
+    # barrier is spread over the batch instead of landing on one op.
     samples = []
     for _ in range(iters):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn(group)
-        samples.append(time.perf_counter() - t0)
+        for _ in range(batch):
+            fn(group)
+        samples.append((time.perf_counter() - t0) / batch)
     # The slowest rank decides how long a collective took.
     t = torch.tensor(samples, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
