@@ -25,6 +25,11 @@ class Options:
     #: process_vm_readv) where the kernel allows it; 0 (default) keeps every byte staged
     #: through the windows, which measured faster on the development machine.
     single_copy_bytes: int = 0
+    #: all_reduce: one-shot (every rank reduces everything) up to this size, reduce-scatter +
+    #: all-gather above.
+    one_shot_max_bytes: int = 256 << 10
+    #: "auto" (by size), or force "one_shot" / "two_shot".
+    allreduce_algo: str = "auto"
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that
     #: grow to sleep_max_us.
     spin_us: int = 5
@@ -68,7 +73,7 @@ class Options:
 
 
 def _parse(field: dataclasses.Field, raw: Any, where: str):
-    kind = float if field.type in (float, "float") else int
+    kind = {"float": float, "str": str}.get(getattr(field.type, "__name__", field.type), int)
     try:
         return kind(raw)
     except (TypeError, ValueError):

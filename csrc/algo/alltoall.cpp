@@ -8,12 +8,12 @@ namespace {
 constexpr int64_t kDirectPieceBytes = 4ll << 20;
 }  // namespace
 
-AllToAllOp::AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadline, int dtype,
+AllToAllOp::AllToAllOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, int dtype,
                        std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
                        std::vector<at::Tensor> keep_alive,
                        std::vector<std::pair<at::Tensor, at::Tensor>> copy_back,
                        std::vector<at::Tensor> outputs)
-    : CollectiveOp(name, CollKind::kAllToAll, seq, deadline), dtype_(dtype),
+    : CollectiveOp(name, kind, seq, deadline), dtype_(dtype),
       send_(std::move(send)), recv_(std::move(recv)), keep_alive_(std::move(keep_alive)),
       copy_back_(std::move(copy_back)), sent_(send_.size(), 0), received_(recv_.size(), 0) {
   outputs_ = std::move(outputs);

@@ -9,12 +9,26 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kBarrier: return "barrier";
     case CollKind::kBroadcast: return "broadcast";
     case CollKind::kAllToAll: return "all_to_all";
+    case CollKind::kAllReduce: return "all_reduce";
+    case CollKind::kReduce: return "reduce";
+    case CollKind::kAllGather: return "all_gather";
+    case CollKind::kGather: return "gather";
+    case CollKind::kReduceScatter: return "reduce_scatter";
+    case CollKind::kScatter: return "scatter";
   }
   return "unknown collective";
 }
 
 void CollectiveOp::refuse(Context& ctx, const std::string& what) const {
   throw ValidationError(where(ctx.rank) + ": " + what);
+}
+
+std::string CollectiveOp::waiting_for() const {
+  if (missing_.empty()) return Op::waiting_for();
+  std::string ranks;
+  for (int r : missing_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  return str("ranks [", ranks, "] to reach the barrier (", missing_.size(),
+             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived)");
 }
 
 bool CollectiveOp::step(Context& ctx) {
@@ -31,6 +45,12 @@ bool CollectiveOp::step(Context& ctx) {
     progress = true;
   }
   if (phase_ == Phase::kExchange) {
+    if (name_all_missing_) {
+      missing_.clear();
+      for (int p = 0; p < ctx.world; ++p) {
+        if (p != ctx.rank && signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
+      }
+    }
     for (; next_peer_ < ctx.world; ++next_peer_) {
       if (next_peer_ == ctx.rank) continue;
       if (signal_acquire(L.desc_seq(ctx.peer(next_peer_))) < seq()) {

@@ -13,7 +13,17 @@
 
 namespace cam {
 
-enum class CollKind : int32_t { kBarrier = 1, kBroadcast = 2, kAllToAll = 3 };
+enum class CollKind : int32_t {
+  kBarrier = 1,
+  kBroadcast,
+  kAllToAll,
+  kAllReduce,
+  kReduce,
+  kAllGather,
+  kGather,
+  kReduceScatter,
+  kScatter,
+};
 const char* coll_kind_name(CollKind k);
 
 class CollectiveOp : public Op {
@@ -34,16 +44,24 @@ class CollectiveOp : public Op {
   [[noreturn]] void refuse(Context& ctx, const std::string& what) const;
 
   CollKind kind_;
+  // monitored_barrier: a timeout names every rank that has not arrived, not just the first.
+  bool name_all_missing_ = false;
+
+ public:
+  std::string waiting_for() const override;
 
  private:
+  std::vector<int> missing_;
   enum class Phase { kPublish, kExchange, kData } phase_ = Phase::kPublish;
   int next_peer_ = 0;
 };
 
 class BarrierOp final : public CollectiveOp {
  public:
-  BarrierOp(uint64_t seq, Clock::time_point deadline)
-      : CollectiveOp("barrier", CollKind::kBarrier, seq, deadline) {}
+  BarrierOp(uint64_t seq, Clock::time_point deadline, bool monitored = false)
+      : CollectiveOp(monitored ? "monitored_barrier" : "barrier", CollKind::kBarrier, seq, deadline) {
+    name_all_missing_ = monitored;
+  }
 
  protected:
   void fill_desc(Context&, CollDesc*) override {}
@@ -88,7 +106,7 @@ class AllToAllOp final : public CollectiveOp {
  public:
   // send[j]/recv[j]: this rank's block for/from rank j. keep_alive holds the tensors the
   // blocks point into; copy_back (dst, src) pairs run on success.
-  AllToAllOp(const char* name, uint64_t seq, Clock::time_point deadline, int dtype,
+  AllToAllOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, int dtype,
              std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
              std::vector<at::Tensor> keep_alive,
              std::vector<std::pair<at::Tensor, at::Tensor>> copy_back,

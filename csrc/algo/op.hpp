@@ -82,7 +82,7 @@ class Op {
   // "cam broadcast (seq 4) on rank 1" — prefix of every message about this op.
   std::string where(int rank) const { return str("cam ", name_, " (seq ", seq_, ") on rank ", rank); }
   // Why the op is not done yet, for timeout messages.
-  std::string waiting_for() const {
+  virtual std::string waiting_for() const {
     return wait_peer_ < 0 ? std::string("its turn in the group's op queue")
                           : str(wait_what_, " from rank ", wait_peer_);
   }

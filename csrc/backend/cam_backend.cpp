@@ -76,22 +76,6 @@ c10::intrusive_ptr<c10d::Work> CamBackend::launch(std::shared_ptr<Op> op, c10d::
   return work;
 }
 
-template <typename MakeOp>
-c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make, c10d::OpType type,
-                                                             const char* title,
-                                                             std::vector<at::Tensor> inputs) {
-  std::shared_ptr<Op> op;
-  c10::intrusive_ptr<c10d::Work> work;
-  {
-    std::lock_guard<std::mutex> lk(issue_mu_);
-    op = make(coll_seq_ + 1);
-    ++coll_seq_;
-    work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-    engine_->submit(op);
-  }
-  return work;
-}
-
 c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& opts) {
   auto dl = deadline(opts.timeout);
   return launch_collective([&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl); },
@@ -178,7 +162,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall_base(at::Tensor& output, at:
   const int dtype = int(input.scalar_type());
   return launch_collective(
       [&](uint64_t seq) {
-        return std::make_shared<AllToAllOp>(op, seq, dl, dtype, std::move(send), std::move(recv),
+        return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, dtype, std::move(send), std::move(recv),
                                             std::vector<at::Tensor>{in, out}, std::move(copy_back),
                                             std::vector<at::Tensor>{output});
       },
@@ -214,7 +198,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall(std::vector<at::Tensor>& out
   auto dl = deadline(opts.timeout);
   return launch_collective(
       [&](uint64_t seq) {
-        return std::make_shared<AllToAllOp>(op, seq, dl, int(dtype), std::move(send), std::move(recv),
+        return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, int(dtype), std::move(send), std::move(recv),
                                             std::move(keep), std::move(copy_back), outputs);
       },
       c10d::OpType::ALLTOALL, "cam:all_to_all", inputs);

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 
+#include "../algo/rounds.hpp"
 #include "cam_work.hpp"
 #include "engine.hpp"
 
@@ -35,6 +36,40 @@ class CamBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  // Reductions and gathers (collectives.cpp).
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
 
   // Sequence numbers count collectives; every rank starts at 0 when the group is created.
   void setSequenceNumberForGroup() override {}
@@ -53,6 +88,21 @@ class CamBackend : public c10d::Backend {
   const at::Tensor& single_tensor(const char* op, std::vector<at::Tensor>& tensors) const;
   void check_tensor(const char* op, const at::Tensor& t, const char* what = "tensor") const;
   void check_peer(const char* op, int peer, const char* role) const;
+  void check_same_dtype(const char* op, const std::vector<at::Tensor>& ts, c10::ScalarType dtype,
+                        const char* what) const;
+  // Coalesced (outputs[i], inputs[i]) pairs of one dtype; returns it.
+  c10::ScalarType check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
+                                  const std::vector<at::Tensor>& inputs) const;
+  // One list holding one tensor per rank (all_gather outputs, scatter inputs, ...).
+  void check_rank_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+                       const char* what) const;
+  void check_numel(const char* op, const at::Tensor& t, int64_t expected, const std::string& what) const;
+  kernels::RedOp reduction(const char* op, const c10d::ReduceOp& r, c10::ScalarType dtype) const;
+  RoundsMode allreduce_mode(int64_t nbytes) const;
+  c10::intrusive_ptr<c10d::Work> launch_rounds(const char* op, CollKind kind, RoundsArgs args,
+                                               std::chrono::milliseconds timeout,
+                                               c10d::OpType type, const char* title,
+                                               std::vector<at::Tensor> inputs);
   c10::intrusive_ptr<c10d::Work> launch(std::shared_ptr<Op> op, c10d::OpType type,
                                         const char* title, std::vector<at::Tensor> inputs);
   // Assigns the next collective sequence number and submits in that order.
@@ -66,5 +116,22 @@ class CamBackend : public c10d::Backend {
   uint64_t coll_seq_ = 0;
   uint64_t recv_seq_ = 0;
 };
+
+// Defined here because both cam_backend.cpp and collectives.cpp issue collectives.
+template <typename MakeOp>
+inline c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make, c10d::OpType type,
+                                                             const char* title,
+                                                             std::vector<at::Tensor> inputs) {
+  std::shared_ptr<Op> op;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::lock_guard<std::mutex> lk(issue_mu_);
+    op = make(coll_seq_ + 1);
+    ++coll_seq_;
+    work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
+    engine_->submit(op);
+  }
+  return work;
+}
 
 }  // namespace cam

@@ -10,6 +10,9 @@
 
 namespace cam {
 
+// all_reduce algorithm: by size (kAuto), or forced (tests cover both paths this way).
+enum class AllReduceAlgo : int32_t { kAuto = 0, kOneShot, kTwoShot };
+
 struct CamConfig {
   // Data bytes of each rank's window (control page not included). Messages larger than the
   // window are chunked and pipelined through it.
@@ -25,6 +28,10 @@ struct CamConfig {
   // the kernel copy runs at ~11 GB/s while two pipelined memcpys through the window finish
   // sooner (benchmarks/bench_single_copy.py measures both).
   int64_t single_copy_bytes = 0;
+  // all_reduce: one-shot (every rank reduces everything; one synchronisation per chunk) up to
+  // this many bytes, reduce-scatter + all-gather (each rank reduces 1/N; two) above.
+  int64_t one_shot_max_bytes = 256ll << 10;
+  AllReduceAlgo allreduce_algo = AllReduceAlgo::kAuto;
   // Wait policy tiers, measured from the start of one wait: pause-spin, then sched_yield, then
   // sleeps growing up to sleep_max_us.
   int64_t spin_us = 5;

@@ -15,6 +15,7 @@ WindowLayout::WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_
   off_desc_ = off;       off += 2 * desc_slot_;
   off_produced_ = off;   off += lines;
   off_consumed_ = off;   off += lines;
+  off_reduced_ = off;    off += sizeof(SignalLine);
   off_p2p_head_ = off;   off += lines;
   off_p2p_tail_ = off;   off += lines;
   off_ack_ = off;        off += size_t(n_) * kAckSlots * sizeof(AckSlot);

@@ -17,7 +17,7 @@
 
 namespace cam {
 
-constexpr uint64_t kWindowMagic = 0x43414d57494e0002ull;  // "CAMWIN" v2
+constexpr uint64_t kWindowMagic = 0x43414d57494e0003ull;  // "CAMWIN" v3
 constexpr int kAckSlots = 64;           // unacknowledged p2p messages per (src, dst)
 constexpr size_t kErrorTextBytes = 1024;
 
@@ -48,6 +48,8 @@ struct alignas(64) CollDesc {
   // > 0: this rank reads blocks of at least this many bytes straight from the sender's memory
   // (single-copy path); 0: everything sent to it is staged through the window.
   int64_t direct_min_bytes;
+  int32_t red_op;    // kernels::RedOp of reductions
+  int32_t algo;      // algorithm the rank chose (all ranks must agree)
   // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all)
 };
 
@@ -90,6 +92,8 @@ class WindowLayout {
   // Collective streams: produced[dst] in the producer's window, consumed[src] in the consumer's.
   uint64_t& produced(char* w, int dst) const { return line(w, off_produced_, dst); }
   uint64_t& consumed(char* w, int src) const { return line(w, off_consumed_, src); }
+  // Reduce-scatter + all-gather: rounds whose reduced piece the owner has published.
+  uint64_t& reduced(char* w) const { return line(w, off_reduced_, 0); }
   // P2P byte streams: head[dst] (bytes written) in the sender's window, tail[src] (bytes
   // consumed) in the receiver's window.
   uint64_t& p2p_head(char* w, int dst) const { return line(w, off_p2p_head_, dst); }
@@ -107,7 +111,7 @@ class WindowLayout {
   int n_;
   int64_t p2p_ring_, coll_bytes_;
   size_t desc_slot_;
-  size_t off_error_, off_desc_seq_, off_desc_, off_produced_, off_consumed_, off_p2p_head_,
+  size_t off_error_, off_desc_seq_, off_desc_, off_produced_, off_consumed_, off_reduced_, off_p2p_head_,
       off_p2p_tail_, off_ack_, off_p2p_, off_coll_;
   size_t control_bytes_, total_bytes_;
 };

@@ -1,0 +1,245 @@
+#include "rounds.hpp"
+
+#include "../../kernels/copy.hpp"
+
+namespace cam {
+
+const char* rounds_mode_name(RoundsMode m) {
+  switch (m) {
+    case RoundsMode::kAllReduceOneShot: return "one-shot";
+    case RoundsMode::kAllReduceTwoShot: return "two-shot (reduce-scatter + all-gather)";
+    case RoundsMode::kReduce: return "reduce";
+    case RoundsMode::kReduceScatter: return "reduce-scatter";
+    case RoundsMode::kAllGather: return "all-gather";
+    case RoundsMode::kGather: return "gather";
+  }
+  return "unknown";
+}
+
+RoundsOp::RoundsOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline,
+                   RoundsArgs args)
+    : CollectiveOp(name, kind, seq, deadline), a_(std::move(args)) {
+  in_ = static_cast<char*>(a_.input.data_ptr());
+  out_ = a_.output.defined() ? static_cast<char*>(a_.output.data_ptr()) : nullptr;
+  in_bytes_ = int64_t(a_.input.nbytes());
+  elem_ = int64_t(a_.input.element_size());
+  outputs_ = std::move(a_.outputs);
+}
+
+void RoundsOp::fill_desc(Context&, CollDesc* d) {
+  d->root = a_.root;
+  d->dtype = int32_t(a_.input.scalar_type());
+  d->elem_size = int32_t(elem_);
+  d->nbytes = in_bytes_;
+  d->red_op = int32_t(a_.red_op);
+  d->algo = int32_t(a_.mode);
+}
+
+void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
+  auto who = [&](int r) { return r == ctx.rank ? std::string("this rank") : str("rank ", r); };
+  const int dtype = int32_t(a_.input.scalar_type());
+  for (int r = 0; r < ctx.world; ++r) {
+    const CollDesc* d = descs[r];
+    if (root_only() && d->root != a_.root) {
+      refuse(ctx, str(who(r), " uses root ", d->root, " while this rank uses root ", a_.root));
+    }
+    if (d->dtype != dtype || d->nbytes != in_bytes_) {
+      refuse(ctx, str(who(r), " contributes ", describe_bytes(d->nbytes, d->dtype),
+                      " while this rank contributes ", describe_bytes(in_bytes_, dtype),
+                      "; every rank must pass the same dtype and size"));
+    }
+    if (reduces() && d->red_op != int32_t(a_.red_op)) {
+      refuse(ctx, str(who(r), " reduces with ", kernels::red_op_name(kernels::RedOp(d->red_op)),
+                      " while this rank reduces with ", kernels::red_op_name(a_.red_op)));
+    }
+    if (d->algo != int32_t(a_.mode)) {
+      refuse(ctx, str(who(r), " chose the ", rounds_mode_name(RoundsMode(d->algo)),
+                      " algorithm while this rank chose ", rounds_mode_name(a_.mode),
+                      "; the all_reduce algorithm options must be the same on every rank"));
+    }
+  }
+}
+
+void RoundsOp::plan(Context& ctx) {
+  const int n = ctx.world, me = ctx.rank;
+  const bool split = a_.mode == RoundsMode::kReduceScatter || a_.mode == RoundsMode::kAllReduceTwoShot;
+  parts_ = split ? n : 1;
+  result_area_ = a_.mode == RoundsMode::kAllReduceTwoShot;
+  block_off_.assign(parts_, 0);
+  block_len_.assign(parts_, in_bytes_);
+  if (a_.mode == RoundsMode::kReduceScatter) {
+    for (int j = 0; j < n; ++j) {
+      block_len_[j] = in_bytes_ / n;
+      block_off_[j] = j * block_len_[j];
+    }
+  } else if (a_.mode == RoundsMode::kAllReduceTwoShot) {
+    // Split by elements; the last blocks may be shorter (or empty).
+    const int64_t numel = in_bytes_ / elem_, per = (numel + n - 1) / n;
+    for (int j = 0; j < n; ++j) {
+      const int64_t lo = std::min(numel, j * per), hi = std::min(numel, (j + 1) * per);
+      block_off_[j] = lo * elem_;
+      block_len_[j] = (hi - lo) * elem_;
+    }
+  }
+  const int areas = parts_ + (result_area_ ? 1 : 0);
+  const int64_t region = ctx.L.coll_bytes();
+  sub_ = std::min<int64_t>(ctx.cfg.chunk_bytes, region / (2 * areas)) / 64 * 64;
+  TORCH_INTERNAL_ASSERT(sub_ >= 64, where(ctx.rank), ": staging region too small");
+  slot_bytes_ = sub_ * areas;
+  nslots_ = region / slot_bytes_;
+  nrounds_ = (block_len_[0] + sub_ - 1) / sub_;
+  // Who reads whose slots: in the root modes only the root reads, and nobody reads the root's.
+  reads_ = !root_only() || me == a_.root;
+  stages_ = n > 1 && (!root_only() || me != a_.root);
+  srcs_.assign(n, nullptr);
+}
+
+RoundsOp::Piece RoundsOp::piece(int part, int64_t round) const {
+  const int64_t start = round * sub_;
+  const int64_t len = std::max<int64_t>(0, std::min(sub_, block_len_[part] - start));
+  return {block_off_[part] + start, len};
+}
+
+char* RoundsOp::slot(Context& ctx, int rank, int64_t round) const {
+  return ctx.L.coll_region(ctx.peer(rank)) + (round % nslots_) * slot_bytes_;
+}
+
+bool RoundsOp::stage(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  const int me = ctx.rank;
+  bool progress = false;
+  while (stages_ && staged_ < nrounds_) {
+    const int64_t k = staged_;
+    if (k >= nslots_) {
+      const uint64_t need = stream_value(seq(), k - nslots_ + 1);
+      for (int p = 0; p < ctx.world; ++p) {
+        if (p == me || (root_only() && p != a_.root)) continue;
+        if (signal_acquire(L.consumed(ctx.peer(p), me)) < need) {
+          waiting(p, "release of a staging slot");
+          return progress;
+        }
+      }
+      // The result area of this slot is also read by this rank itself (two-shot).
+      if (result_area_ && gathered_ < k - nslots_ + 1) return progress;
+    }
+    char* dst = slot(ctx, me, k);
+    for (int j = 0; j < parts_; ++j) {
+      if (parts_ > 1 && j == me) continue;  // only this rank reads its own piece
+      const Piece pc = piece(j, k);
+      kernels::copy_bytes(dst + j * sub_, in_ + pc.off, pc.len);
+      ctx.stats.add(ctx.stats.staged_bytes, pc.len);
+    }
+    kernels::store_fence();
+    signal_release(L.produced(ctx.me, me), stream_value(seq(), k + 1));
+    ++staged_;
+    progress = true;
+  }
+  return progress;
+}
+
+bool RoundsOp::combine(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  const int me = ctx.rank, n = ctx.world;
+  bool progress = false;
+  while (reads_ && combined_ < nrounds_) {
+    const int64_t k = combined_;
+    // In place, the output overwrites the input: stage this round before changing it.
+    if (stages_ && staged_ <= k) return progress;
+    const uint64_t need = stream_value(seq(), k + 1);
+    for (int d = 1; d < n; ++d) {
+      const int p = (me + d) % n;
+      if (signal_acquire(L.produced(ctx.peer(p), p)) < need) {
+        waiting(p, "staged data");
+        return progress;
+      }
+    }
+    switch (a_.mode) {
+      case RoundsMode::kAllReduceOneShot:
+      case RoundsMode::kReduce: {
+        const Piece pc = piece(0, k);
+        for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ + pc.off : slot(ctx, p, k);
+        kernels::reduce(a_.input.scalar_type(), a_.red_op, out_ + pc.off, srcs_.data(), n,
+                        pc.len / elem_, n);
+        break;
+      }
+      case RoundsMode::kReduceScatter:
+      case RoundsMode::kAllReduceTwoShot: {
+        const Piece pc = piece(me, k);
+        for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ + pc.off : slot(ctx, p, k) + me * sub_;
+        char* dst = a_.mode == RoundsMode::kReduceScatter ? out_ + k * sub_
+                                                          : slot(ctx, me, k) + parts_ * sub_;
+        kernels::reduce(a_.input.scalar_type(), a_.red_op, dst, srcs_.data(), n, pc.len / elem_, n);
+        break;
+      }
+      case RoundsMode::kAllGather:
+      case RoundsMode::kGather: {
+        const Piece pc = piece(0, k);
+        for (int d = 0; d < n; ++d) {
+          const int p = (me + d) % n;
+          char* dst = out_ + p * in_bytes_ + pc.off;
+          const char* src = p == me ? in_ + pc.off : slot(ctx, p, k);
+          if (dst != src) kernels::copy_bytes(dst, src, pc.len);
+        }
+        break;
+      }
+    }
+    if (result_area_) {
+      kernels::store_fence();
+      signal_release(L.reduced(ctx.me), need);
+    } else {
+      for (int p = 0; p < n; ++p) {
+        if (p != me) signal_release(L.consumed(ctx.me, p), need);
+      }
+    }
+    ++combined_;
+    progress = true;
+  }
+  return progress;
+}
+
+bool RoundsOp::gather_reduced(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  const int me = ctx.rank, n = ctx.world;
+  bool progress = false;
+  while (result_area_ && gathered_ < combined_) {
+    const int64_t k = gathered_;
+    const uint64_t need = stream_value(seq(), k + 1);
+    for (int d = 1; d < n; ++d) {
+      const int p = (me + d) % n;
+      if (signal_acquire(L.reduced(ctx.peer(p))) < need) {
+        waiting(p, "its reduced piece");
+        return progress;
+      }
+    }
+    for (int d = 0; d < n; ++d) {
+      const int p = (me + d) % n;
+      const Piece pc = piece(p, k);
+      kernels::copy_bytes(out_ + pc.off, slot(ctx, p, k) + parts_ * sub_, pc.len);
+    }
+    for (int p = 0; p < n; ++p) {
+      if (p != me) signal_release(L.consumed(ctx.me, p), need);
+    }
+    ++gathered_;
+    progress = true;
+  }
+  return progress;
+}
+
+bool RoundsOp::data_step(Context& ctx) {
+  if (nrounds_ < 0) plan(ctx);
+  bool progress = stage(ctx);
+  progress |= combine(ctx);
+  progress |= gather_reduced(ctx);
+  const int64_t last = result_area_ ? gathered_ : combined_;
+  if ((!stages_ || staged_ == nrounds_) && (!reads_ || last == nrounds_)) {
+    mark_done();
+    return true;
+  }
+  return progress;
+}
+
+void RoundsOp::finalize() {
+  for (auto& [dst, src] : a_.copy_back) dst.copy_(src);
+}
+
+}  // namespace cam
