@@ -25,6 +25,9 @@ class Options:
     #: process_vm_readv) where the kernel allows it; 0 (default) keeps every byte staged
     #: through the windows, which measured faster on the development machine.
     single_copy_bytes: int = 0
+    #: Address space of each rank's tensor arena (torch_cam.empty/zeros); pages are reserved
+    #: as tensors are allocated, so the default costs nothing until used.
+    tensor_heap_bytes: int = 1 << 30
     #: all_reduce: one-shot (every rank reduces everything) up to this size, reduce-scatter +
     #: all-gather above.
     one_shot_max_bytes: int = 256 << 10

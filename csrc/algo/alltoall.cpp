@@ -22,13 +22,20 @@ AllToAllOp::AllToAllOp(const char* name, CollKind kind, uint64_t seq, Clock::tim
 void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
   d->dtype = dtype_;
   d->direct_min_bytes = ctx.heap.direct_read_available() ? ctx.cfg.single_copy_bytes : 0;
+  // Heap-resident input: every block is published as an arena offset, read in place by peers.
+  bool in_heap = true;
+  for (int j = 0; j < ctx.world && in_heap; ++j) {
+    in_heap = send_[j].nbytes == 0 || ctx.heap_offset(send_[j].ptr, send_[j].nbytes) >= 0;
+  }
+  d->heap_off = in_heap ? 0 : -1;
   int64_t* s = ctx.L.desc_send_bytes(d);
   int64_t* r = ctx.L.desc_recv_bytes(d);
   uint64_t* a = ctx.L.desc_send_addr(d);
   for (int j = 0; j < ctx.world; ++j) {
     s[j] = send_[j].nbytes;
     r[j] = recv_[j].nbytes;
-    a[j] = reinterpret_cast<uint64_t>(send_[j].ptr);
+    a[j] = in_heap ? uint64_t(send_[j].nbytes > 0 ? ctx.heap_offset(send_[j].ptr, send_[j].nbytes) : 0)
+                   : reinterpret_cast<uint64_t>(send_[j].ptr);
   }
 }
 
@@ -52,21 +59,23 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
       }
     }
   }
-  // Sizes agree: decide, identically on both ends, which blocks move by direct read. The
-  // receiver's threshold rules (it is in the receiver's descriptor, seen by both).
+  // Sizes agree: decide, identically on both ends, which blocks move by direct read. A
+  // heap-resident sender's blocks are always read in place (plain loads); otherwise the
+  // receiver's single-copy threshold rules (it is in the receiver's descriptor, seen by both).
   const int n = ctx.world, me = ctx.rank;
-  auto direct = [&](int receiver, int64_t nbytes) {
+  auto direct = [&](int sender, int receiver, int64_t nbytes) -> char {
+    if (descs[sender]->heap_off >= 0) return kDirectHeap;
     const int64_t min = descs[receiver]->direct_min_bytes;
-    return min > 0 && nbytes >= min;
+    return min > 0 && nbytes >= min ? kDirectSyscall : kStaged;
   };
-  direct_send_.assign(n, 0);
-  direct_recv_.assign(n, 0);
+  direct_send_.assign(n, kStaged);
+  direct_recv_.assign(n, kStaged);
   src_addr_.assign(n, 0);
   direct_done_.assign(n, 0);
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    direct_send_[p] = direct(p, send_[p].nbytes);
-    direct_recv_[p] = direct(me, recv_[p].nbytes);
+    direct_send_[p] = direct(me, p, send_[p].nbytes);
+    direct_recv_[p] = direct(p, me, recv_[p].nbytes);
     src_addr_[p] = ctx.L.desc_send_addr(descs[p])[me];
   }
 }
@@ -134,9 +143,15 @@ bool AllToAllOp::data_step(Context& ctx) {
       // One piece per pass, so that staged channels and other readers keep flowing.
       const int64_t total = recv_[src].nbytes;
       const int64_t piece = std::min<int64_t>(kDirectPieceBytes, total - direct_done_[src]);
-      ctx.heap.read_peer(src, recv_[src].ptr + direct_done_[src], src_addr_[src] + direct_done_[src],
-                         size_t(piece));
-      ctx.stats.add(ctx.stats.direct_read_bytes, piece);
+      if (direct_recv_[src] == kDirectHeap) {
+        kernels::copy_bytes(recv_[src].ptr + direct_done_[src],
+                            ctx.peer_heap(src, int64_t(src_addr_[src]) + direct_done_[src]), piece);
+        ctx.stats.add(ctx.stats.heap_read_bytes, piece);
+      } else {
+        ctx.heap.read_peer(src, recv_[src].ptr + direct_done_[src], src_addr_[src] + direct_done_[src],
+                           size_t(piece));
+        ctx.stats.add(ctx.stats.direct_read_bytes, piece);
+      }
       direct_done_[src] += piece;
       progress = true;
       if (direct_done_[src] == total) {

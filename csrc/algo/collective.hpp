@@ -93,10 +93,11 @@ class BroadcastOp final : public CollectiveOp {
 
 // All-to-all over per-pair channels: rank i's staging region is split into one ring per
 // destination; i streams its block for j into ring j, j copies it straight into its output.
-// Every pair pipelines independently; the local block is a direct copy. A block large enough
-// for the receiver's single-copy threshold skips the ring: the receiver reads it straight out
-// of the sender's tensor (address published in the descriptor) and then signals the sender,
-// which keeps the tensor untouched until every such reader is done.
+// Every pair pipelines independently; the local block is a direct copy. Two kinds of block skip
+// the ring: those of a sender whose input is a heap-resident tensor (the receiver copies them
+// in place out of the sender's arena), and those large enough for the receiver's single-copy
+// threshold (read out of the sender's address space by syscall). Either way the receiver then
+// signals the sender, which keeps its tensor untouched until every such reader is done.
 struct AllToAllBlock {
   char* ptr = nullptr;
   int64_t nbytes = 0;
@@ -125,6 +126,8 @@ class AllToAllOp final : public CollectiveOp {
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;
   std::vector<int64_t> sent_, received_;  // chunks per peer (a direct block counts as one)
   std::vector<int64_t> nsend_, nrecv_;     // chunks to move per peer
+  // How each block moves: staged through the ring, read by syscall, or read in place.
+  enum : char { kStaged = 0, kDirectSyscall = 1, kDirectHeap = 2 };
   std::vector<char> direct_send_, direct_recv_;
   std::vector<uint64_t> src_addr_;         // where rank i keeps its block for this rank
   std::vector<int64_t> direct_done_;       // bytes read so far per direct source

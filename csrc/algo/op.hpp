@@ -19,13 +19,15 @@
 #include "../core/config.hpp"
 #include "../core/errors.hpp"
 #include "../transport/heap.hpp"
+#include "../transport/tensor_arena.hpp"
 
 namespace cam {
 
 // Bytes moved per path, for stats() and for tests that check which path an op took.
 struct Stats {
   std::atomic<uint64_t> staged_bytes{0};       // copied into this rank's window for peers
-  std::atomic<uint64_t> direct_read_bytes{0};  // read straight from peers' memory
+  std::atomic<uint64_t> direct_read_bytes{0};  // read straight from peers' memory (syscall)
+  std::atomic<uint64_t> heap_read_bytes{0};    // read in place from peers' heap tensors
   void add(std::atomic<uint64_t>& counter, int64_t n) { counter.fetch_add(uint64_t(n), std::memory_order_relaxed); }
 };
 
@@ -39,7 +41,16 @@ struct Context {
   char* me;  // own window
   Stats& stats;
   char* peer(int r) const { return heap.base(r); }
+  // Offset of [p, p + n) in this rank's tensor arena (a heap-resident tensor), or -1.
+  int64_t heap_offset(const void* p, int64_t n) const;
+  // Where rank r's arena offset `off` is mapped in this process.
+  char* peer_heap(int r, int64_t off) const { return L.arena(peer(r)) + off; }
 };
+
+inline int64_t Context::heap_offset(const void* p, int64_t n) const {
+  const TensorArena* a = heap.arena();
+  return a == nullptr || n <= 0 ? -1 : a->offset_of(p, n);
+}
 
 using Clock = std::chrono::steady_clock;
 

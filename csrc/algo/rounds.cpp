@@ -26,13 +26,14 @@ RoundsOp::RoundsOp(const char* name, CollKind kind, uint64_t seq, Clock::time_po
   outputs_ = std::move(a_.outputs);
 }
 
-void RoundsOp::fill_desc(Context&, CollDesc* d) {
+void RoundsOp::fill_desc(Context& ctx, CollDesc* d) {
   d->root = a_.root;
   d->dtype = int32_t(a_.input.scalar_type());
   d->elem_size = int32_t(elem_);
   d->nbytes = in_bytes_;
   d->red_op = int32_t(a_.red_op);
   d->algo = int32_t(a_.mode);
+  d->heap_off = ctx.heap_offset(in_, in_bytes_);
 }
 
 void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
@@ -57,6 +58,14 @@ void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs)
                       " algorithm while this rank chose ", rounds_mode_name(a_.mode),
                       "; the all_reduce algorithm options must be the same on every rank"));
     }
+  }
+  // Zero-copy needs every input in the heap, and a mode that never writes what peers read.
+  zero_copy_ = ctx.world > 1 && in_bytes_ > 0 && a_.mode != RoundsMode::kAllReduceOneShot &&
+               a_.mode != RoundsMode::kReduce;
+  for (int r = 0; r < ctx.world && zero_copy_; ++r) zero_copy_ = descs[r]->heap_off >= 0;
+  if (zero_copy_) {
+    heap_src_.assign(ctx.world, nullptr);
+    for (int r = 0; r < ctx.world; ++r) heap_src_[r] = ctx.peer_heap(r, descs[r]->heap_off);
   }
 }
 
@@ -90,7 +99,7 @@ void RoundsOp::plan(Context& ctx) {
   nrounds_ = (block_len_[0] + sub_ - 1) / sub_;
   // Who reads whose slots: in the root modes only the root reads, and nobody reads the root's.
   reads_ = !root_only() || me == a_.root;
-  stages_ = n > 1 && (!root_only() || me != a_.root);
+  stages_ = n > 1 && (!root_only() || me != a_.root) && !zero_copy_;
   srcs_.assign(n, nullptr);
 }
 
@@ -146,7 +155,7 @@ bool RoundsOp::combine(Context& ctx) {
     // In place, the output overwrites the input: stage this round before changing it.
     if (stages_ && staged_ <= k) return progress;
     const uint64_t need = stream_value(seq(), k + 1);
-    for (int d = 1; d < n; ++d) {
+    for (int d = 1; d < n && !zero_copy_; ++d) {
       const int p = (me + d) % n;
       if (signal_acquire(L.produced(ctx.peer(p), p)) < need) {
         waiting(p, "staged data");
@@ -157,7 +166,7 @@ bool RoundsOp::combine(Context& ctx) {
       case RoundsMode::kAllReduceOneShot:
       case RoundsMode::kReduce: {
         const Piece pc = piece(0, k);
-        for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ + pc.off : slot(ctx, p, k);
+        for (int p = 0; p < n; ++p) srcs_[p] = source(ctx, p, k, pc.off, 0);
         kernels::reduce(a_.input.scalar_type(), a_.red_op, out_ + pc.off, srcs_.data(), n,
                         pc.len / elem_, n);
         break;
@@ -165,8 +174,11 @@ bool RoundsOp::combine(Context& ctx) {
       case RoundsMode::kReduceScatter:
       case RoundsMode::kAllReduceTwoShot: {
         const Piece pc = piece(me, k);
-        for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ + pc.off : slot(ctx, p, k) + me * sub_;
+        for (int p = 0; p < n; ++p) srcs_[p] = source(ctx, p, k, pc.off, me * sub_);
+        // Two-shot publishes the reduced piece in its slot's result area, or zero-copy, in
+        // place in its own tensor (where peers read it next).
         char* dst = a_.mode == RoundsMode::kReduceScatter ? out_ + k * sub_
+                    : zero_copy_                          ? out_ + pc.off
                                                           : slot(ctx, me, k) + parts_ * sub_;
         kernels::reduce(a_.input.scalar_type(), a_.red_op, dst, srcs_.data(), n, pc.len / elem_, n);
         break;
@@ -177,11 +189,15 @@ bool RoundsOp::combine(Context& ctx) {
         for (int d = 0; d < n; ++d) {
           const int p = (me + d) % n;
           char* dst = out_ + p * in_bytes_ + pc.off;
-          const char* src = p == me ? in_ + pc.off : slot(ctx, p, k);
+          const char* src = source(ctx, p, k, pc.off, 0);
           if (dst != src) kernels::copy_bytes(dst, src, pc.len);
         }
         break;
       }
+    }
+    if (zero_copy_) {
+      const int part = parts_ > 1 ? me : 0;
+      ctx.stats.add(ctx.stats.heap_read_bytes, piece(part, k).len * (n - 1));
     }
     if (result_area_) {
       kernels::store_fence();
@@ -214,7 +230,9 @@ bool RoundsOp::gather_reduced(Context& ctx) {
     for (int d = 0; d < n; ++d) {
       const int p = (me + d) % n;
       const Piece pc = piece(p, k);
-      kernels::copy_bytes(out_ + pc.off, slot(ctx, p, k) + parts_ * sub_, pc.len);
+      const char* src = zero_copy_ ? heap_src_[p] + pc.off : slot(ctx, p, k) + parts_ * sub_;
+      if (src != out_ + pc.off) kernels::copy_bytes(out_ + pc.off, src, pc.len);
+      if (zero_copy_ && p != me) ctx.stats.add(ctx.stats.heap_read_bytes, pc.len);
     }
     for (int p = 0; p < n; ++p) {
       if (p != me) signal_release(L.consumed(ctx.me, p), need);
@@ -225,13 +243,26 @@ bool RoundsOp::gather_reduced(Context& ctx) {
   return progress;
 }
 
+bool RoundsOp::readers_released(Context& ctx) {
+  if (!zero_copy_) return true;
+  const uint64_t need = stream_value(seq(), uint64_t(nrounds_));
+  for (int p = 0; p < ctx.world; ++p) {
+    if (p == ctx.rank || (root_only() && p != a_.root)) continue;
+    if (signal_acquire(ctx.L.consumed(ctx.peer(p), ctx.rank)) < need) {
+      waiting(p, "the release of this rank's heap tensor");
+      return false;
+    }
+  }
+  return true;
+}
+
 bool RoundsOp::data_step(Context& ctx) {
   if (nrounds_ < 0) plan(ctx);
   bool progress = stage(ctx);
   progress |= combine(ctx);
   progress |= gather_reduced(ctx);
   const int64_t last = result_area_ ? gathered_ : combined_;
-  if ((!stages_ || staged_ == nrounds_) && (!reads_ || last == nrounds_)) {
+  if ((!stages_ || staged_ == nrounds_) && (!reads_ || last == nrounds_) && readers_released(ctx)) {
     mark_done();
     return true;
   }

@@ -16,6 +16,12 @@
 // (a rank stages round k+1 while its peers still reduce round k). A rank never stages what
 // only it reads: its own piece is read straight from its input.
 //
+// Zero-copy: when every rank's input is a heap-resident tensor (torch_cam.empty), nothing is
+// staged: readers take pieces straight out of the peers' tensors, two-shot reduces each piece
+// into its owner's tensor and peers copy it from there, and a rank returns only after every
+// reader has released its tensor (the user may overwrite it as soon as the op completes).
+// One-shot and reduce keep staging: they write the output while peers would still read it.
+//
 // Reductions run in rank order 0..N-1 in every rank that reduces a given element, and a
 // two-shot element is reduced once and copied, so every rank ends with identical bits.
 #pragma once
@@ -70,6 +76,12 @@ class RoundsOp final : public CollectiveOp {
   bool stage(Context& ctx);
   bool combine(Context& ctx);
   bool gather_reduced(Context& ctx);
+  bool readers_released(Context& ctx);
+  // Where rank p's bytes at input offset `off` of round k are: its tensor or its slot.
+  const char* source(Context& ctx, int p, int64_t k, int64_t off, int64_t slot_off) const {
+    if (p == ctx.rank) return in_ + off;
+    return zero_copy_ ? heap_src_[p] + off : slot(ctx, p, k) + slot_off;
+  }
 
   RoundsArgs a_;
   char* in_ = nullptr;
@@ -77,7 +89,8 @@ class RoundsOp final : public CollectiveOp {
   int64_t in_bytes_ = 0, elem_ = 1;
   // Geometry, fixed by plan(): parts per slot, piece bytes per round, slot ring.
   int parts_ = 1;
-  bool result_area_ = false, stages_ = false, reads_ = false;
+  bool result_area_ = false, stages_ = false, reads_ = false, zero_copy_ = false;
+  std::vector<char*> heap_src_;  // zero-copy: where each rank's input is mapped here
   std::vector<int64_t> block_off_, block_len_;
   int64_t sub_ = 0, slot_bytes_ = 0, nslots_ = 0, nrounds_ = -1;
   int64_t staged_ = 0, combined_ = 0, gathered_ = 0;

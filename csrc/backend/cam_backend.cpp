@@ -16,7 +16,8 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   // peer it waits for needs, so go straight to yielding.
   cpu_set_t cpus;
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && size > CPU_COUNT(&cpus)) cfg.spin_us = 0;
-  WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size));
+  WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
+                      cfg.tensor_heap_bytes);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));
 }
@@ -39,7 +40,20 @@ std::map<std::string, int64_t> CamBackend::stats() const {
   return {{"heap_bytes", window_bytes_mapped()},
           {"window_bytes", int64_t(engine_->heap().layout().total_bytes())},
           {"staged_bytes", int64_t(s.staged_bytes.load())},
-          {"direct_read_bytes", int64_t(s.direct_read_bytes.load())}};
+          {"direct_read_bytes", int64_t(s.direct_read_bytes.load())},
+          {"heap_read_bytes", int64_t(s.heap_read_bytes.load())},
+          {"tensor_heap_bytes", engine_->heap().arena()->capacity()},
+          {"tensor_heap_in_use", engine_->heap().arena()->bytes_in_use()}};
+}
+
+at::Tensor CamBackend::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return engine_->heap().arena()->empty(sizes, dtype);
+}
+
+at::Tensor CamBackend::allocateTensor(long size, at::TensorOptions options) {
+  TORCH_CHECK(!options.has_device() || options.device().is_cpu(), "cam allocateTensor on rank ",
+              rank_, ": the tensor heap holds CPU tensors, got device ", options.device());
+  return empty({int64_t(size)}, c10::typeMetaToScalarType(options.dtype()));
 }
 
 Clock::time_point CamBackend::deadline(std::chrono::milliseconds op_timeout) const {

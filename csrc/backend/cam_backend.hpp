@@ -83,6 +83,15 @@ class CamBackend : public c10d::Backend {
   bool direct_read_available() const { return engine_->heap().direct_read_available(); }
   std::map<std::string, int64_t> stats() const;
 
+  // Heap-resident tensors: allocated in this rank's tensor arena, read in place by peers.
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  bool owns(const at::Tensor& t) const {
+    return t.device().is_cpu() && t.numel() > 0 &&
+           engine_->heap().arena()->offset_of(t.data_ptr(), int64_t(t.nbytes())) >= 0;
+  }
+  bool supportsTensorAlloc(c10::DeviceIndex) override { return true; }
+  at::Tensor allocateTensor(long size, at::TensorOptions options) override;
+
  private:
   Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
   const at::Tensor& single_tensor(const char* op, std::vector<at::Tensor>& tensors) const;

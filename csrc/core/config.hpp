@@ -28,6 +28,9 @@ struct CamConfig {
   // the kernel copy runs at ~11 GB/s while two pipelined memcpys through the window finish
   // sooner (benchmarks/bench_single_copy.py measures both).
   int64_t single_copy_bytes = 0;
+  // Address space of each rank's tensor arena (torch_cam.empty). Pages are reserved only as
+  // tensors are allocated, so a large value costs nothing until used.
+  int64_t tensor_heap_bytes = 1ll << 30;
   // all_reduce: one-shot (every rank reduces everything; one synchronisation per chunk) up to
   // this many bytes, reduce-scatter + all-gather (each rank reduces 1/N; two) above.
   int64_t one_shot_max_bytes = 256ll << 10;

@@ -2,6 +2,7 @@
 // torch.distributed happens in torch_cam/__init__.py (Python), never at library load.
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/python.h>
 
 #include "../backend/cam_backend.hpp"
@@ -27,6 +28,18 @@ PYBIND11_MODULE(_C, m) {
                              "Bytes of symmetric heap this rank maps (all windows of the group)")
       .def_property_readonly("direct_read_available", &cam::CamBackend::direct_read_available,
                              "Whether this rank can read peers' memory directly (single-copy path)")
+      .def(
+          "empty",
+          [](cam::CamBackend& b, const std::vector<int64_t>& sizes, py::object dtype) {
+            TORCH_CHECK(THPDtype_Check(dtype.ptr()), "torch_cam.empty: dtype must be a torch.dtype");
+            return b.empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+          },
+          py::arg("sizes"), py::arg("dtype"),
+          "A tensor in this rank's tensor heap (peers read it in place in collectives)")
+      .def(
+          "owns",
+          [](cam::CamBackend& b, const at::Tensor& t) { return b.owns(t); }, py::arg("tensor"),
+          "Whether the tensor's memory lies in this rank's tensor heap")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,

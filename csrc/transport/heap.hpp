@@ -11,6 +11,8 @@
 
 namespace cam {
 
+class TensorArena;
+
 class SymmetricHeap {
  public:
   virtual ~SymmetricHeap() = default;
@@ -21,6 +23,9 @@ class SymmetricHeap {
   // Empty when the peer is alive; otherwise a sentence saying why it is considered dead.
   virtual std::string peer_failure(int rank) const = 0;
   virtual int64_t peer_pid(int rank) const = 0;
+
+  // Allocator of this rank's heap-resident tensors (in its window's tensor arena).
+  virtual TensorArena* arena() const = 0;
 
   // Single-copy path: read bytes straight out of a peer's address space (any memory of the
   // peer, not only its window). True when this rank can do so with every peer.

@@ -193,7 +193,7 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
 }
 
 void ShmHeap::create_own_window() {
-  const size_t bytes = layout_.total_bytes();
+  const size_t bytes = layout_.reserved_bytes();
   struct statvfs vfs {};
   if (statvfs(kShmDir, &vfs) == 0) {
     const double total = double(vfs.f_blocks) * vfs.f_frsize;
@@ -206,7 +206,7 @@ void ShmHeap::create_own_window() {
   int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   TORCH_CHECK(fd >= 0, "cam init on rank ", rank_, ": shm_open(", own_name_,
               ") failed: ", std::strerror(errno));
-  int rc = ftruncate(fd, off_t(bytes));
+  int rc = ftruncate(fd, off_t(layout_.total_bytes()));
   if (rc == 0) rc = posix_fallocate(fd, 0, off_t(bytes));
   else rc = errno;
   if (rc != 0) {
@@ -218,12 +218,19 @@ void ShmHeap::create_own_window() {
                 std::strerror(rc), ". Enlarge ", kShmDir,
                 " or lower TORCH_CAM_WINDOW_BYTES / Options.window_bytes");
   }
-  void* ptr = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  // The arena stays sparse: its pages are reserved by TensorArena as tensors are allocated.
+  void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int err = errno;
-  ::close(fd);
+  if (ptr == MAP_FAILED) ::close(fd);
   TORCH_CHECK(ptr != MAP_FAILED, "cam init on rank ", rank_, ": cannot map own window: ",
               std::strerror(err));
+  madvise(ptr, bytes, MADV_WILLNEED);
   bases_[rank_] = static_cast<char*>(ptr);
+  // Heap-resident tensors keep the mapping alive past the group (the arena holds it).
+  const size_t total = layout_.total_bytes();
+  auto mapping = std::shared_ptr<void>(ptr, [total](void* p) { munmap(p, total); });
+  arena_ = std::make_shared<TensorArena>(std::move(mapping), layout_.arena(bases_[rank_]),
+                                         layout_.arena_bytes(), fd, off_t(bytes), rank_);
   std::memset(bases_[rank_], 0, layout_.control_bytes());
   auto* h = layout_.header(bases_[rank_]);
   h->rank = rank_;
@@ -284,10 +291,11 @@ std::string ShmHeap::peer_failure(int r) const {
 }
 
 void ShmHeap::unmap_all() {
-  for (auto& b : bases_) {
-    if (b) munmap(b, layout_.total_bytes());
-    b = nullptr;
+  for (int r = 0; r < world_; ++r) {
+    if (bases_[r] && r != rank_) munmap(bases_[r], layout_.total_bytes());
+    bases_[r] = nullptr;
   }
+  arena_.reset();  // the own window goes once the last heap-resident tensor is freed
 }
 
 ShmHeap::~ShmHeap() {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "heap.hpp"
+#include "tensor_arena.hpp"
 
 namespace cam {
 
@@ -44,6 +45,8 @@ class ShmHeap final : public SymmetricHeap {
   // Cross-memory attach (process_vm_readv): one kernel copy, no staging through the window.
   void read_peer(int rank, void* local, uint64_t remote_addr, size_t n) const override;
 
+  TensorArena* arena() const override { return arena_.get(); }
+
   // Removes /dev/shm names left by cam processes of this user that no longer exist.
   static int sweep_stale_segments();
 
@@ -58,6 +61,7 @@ class ShmHeap final : public SymmetricHeap {
   std::string own_name_;
   bool own_unlinked_ = false;
   bool direct_read_ = false;
+  std::shared_ptr<TensorArena> arena_;
 };
 
 }  // namespace cam

@@ -5,6 +5,8 @@
 //                   p2p head/tail counters, p2p acknowledgement slots
 //   [p2p outboxes]  one byte ring per destination rank, written only by the owner
 //   [coll region]   staging area of collectives, written only by the owner
+//   [tensor arena]  heap-resident tensors of the owner (torch_cam.empty), which peers read in
+//                   place; its pages are reserved per allocation, not up front
 //
 // Everything a peer reads lives in the writer's own window except tails and acks, which live
 // in the consumer's window: every location has a single writer.
@@ -48,6 +50,9 @@ struct alignas(64) CollDesc {
   // > 0: this rank reads blocks of at least this many bytes straight from the sender's memory
   // (single-copy path); 0: everything sent to it is staged through the window.
   int64_t direct_min_bytes;
+  // >= 0: this rank's input lives in its tensor arena at this offset (peers may read it in
+  // place; all-to-all: send_addr[] then holds arena offsets of the blocks); -1: it does not.
+  int64_t heap_off;
   int32_t red_op;    // kernels::RedOp of reductions
   int32_t algo;      // algorithm the rank chose (all ranks must agree)
   // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all)
@@ -65,11 +70,14 @@ enum AckStatus : int32_t { kAckOk = 0, kAckSizeMismatch = 1 };
 
 class WindowLayout {
  public:
-  WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes);
+  WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes, int64_t arena_bytes);
 
   int world_size() const { return n_; }
   size_t control_bytes() const { return control_bytes_; }
   size_t total_bytes() const { return total_bytes_; }
+  // The part reserved at creation (everything before the tensor arena).
+  size_t reserved_bytes() const { return off_arena_; }
+  int64_t arena_bytes() const { return arena_bytes_; }
   int64_t p2p_ring_bytes() const { return p2p_ring_; }
   int64_t coll_bytes() const { return coll_bytes_; }
   size_t desc_slot_bytes() const { return desc_slot_; }
@@ -103,16 +111,17 @@ class WindowLayout {
   }
   char* p2p_ring(char* w, int dst) const { return w + off_p2p_ + size_t(dst) * p2p_ring_; }
   char* coll_region(char* w) const { return w + off_coll_; }
+  char* arena(char* w) const { return w + off_arena_; }
 
  private:
   uint64_t& line(char* w, size_t off, int i) const {
     return reinterpret_cast<SignalLine*>(w + off)[i].value;
   }
   int n_;
-  int64_t p2p_ring_, coll_bytes_;
+  int64_t p2p_ring_, coll_bytes_, arena_bytes_;
   size_t desc_slot_;
   size_t off_error_, off_desc_seq_, off_desc_, off_produced_, off_consumed_, off_reduced_, off_p2p_head_,
-      off_p2p_tail_, off_ack_, off_p2p_, off_coll_;
+      off_p2p_tail_, off_ack_, off_p2p_, off_coll_, off_arena_;
   size_t control_bytes_, total_bytes_;
 };
 
