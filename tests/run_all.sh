@@ -11,6 +11,7 @@ run() {  # run <deadline_s> <args...>
 }
 run 900 tests/test_ops.py
 run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py
+run 1200 tests/integration
 if [ -f tests/dist_suite/run_dist_suite.py ]; then
   run 900 tests/dist_suite/run_dist_suite.py
 fi
