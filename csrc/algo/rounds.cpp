@@ -1,5 +1,7 @@
 #include "rounds.hpp"
 
+#include <algorithm>
+
 #include "../../kernels/copy.hpp"
 
 namespace cam {
@@ -34,6 +36,14 @@ void RoundsOp::fill_desc(Context& ctx, CollDesc* d) {
   d->red_op = int32_t(a_.red_op);
   d->algo = int32_t(a_.mode);
   d->heap_off = ctx.heap_offset(in_, in_bytes_);
+  if (a_.mode == RoundsMode::kReduceScatter) {
+    int64_t* blocks = ctx.L.desc_send_bytes(d);
+    for (int j = 0; j < ctx.world; ++j) blocks[j] = block_bytes(ctx, j);
+  }
+}
+
+int64_t RoundsOp::block_bytes(Context& ctx, int j) const {
+  return a_.blocks.empty() ? in_bytes_ / ctx.world : a_.blocks[j];
 }
 
 void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
@@ -59,6 +69,19 @@ void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs)
                       "; the all_reduce algorithm options must be the same on every rank"));
     }
   }
+  if (a_.mode == RoundsMode::kReduceScatter) {
+    for (int r = 0; r < ctx.world; ++r) {
+      const int64_t* theirs = ctx.L.desc_send_bytes(descs[r]);
+      for (int j = 0; j < ctx.world; ++j) {
+        if (theirs[j] != block_bytes(ctx, j)) {
+          refuse(ctx, str(who(r), " gives rank ", j, " a block of ",
+                          describe_bytes(theirs[j], dtype), " while this rank gives it ",
+                          describe_bytes(block_bytes(ctx, j), dtype),
+                          "; every rank must split its input the same way"));
+        }
+      }
+    }
+  }
   // Zero-copy needs every input in the heap, and a mode that never writes what peers read.
   zero_copy_ = ctx.world > 1 && in_bytes_ > 0 && a_.mode != RoundsMode::kAllReduceOneShot &&
                a_.mode != RoundsMode::kReduce;
@@ -77,9 +100,11 @@ void RoundsOp::plan(Context& ctx) {
   block_off_.assign(parts_, 0);
   block_len_.assign(parts_, in_bytes_);
   if (a_.mode == RoundsMode::kReduceScatter) {
+    int64_t off = 0;
     for (int j = 0; j < n; ++j) {
-      block_len_[j] = in_bytes_ / n;
-      block_off_[j] = j * block_len_[j];
+      block_len_[j] = block_bytes(ctx, j);
+      block_off_[j] = off;
+      off += block_len_[j];
     }
   } else if (a_.mode == RoundsMode::kAllReduceTwoShot) {
     // Split by elements; the last blocks may be shorter (or empty).
@@ -96,7 +121,7 @@ void RoundsOp::plan(Context& ctx) {
   TORCH_INTERNAL_ASSERT(sub_ >= 64, where(ctx.rank), ": staging region too small");
   slot_bytes_ = sub_ * areas;
   nslots_ = region / slot_bytes_;
-  nrounds_ = (block_len_[0] + sub_ - 1) / sub_;
+  nrounds_ = (*std::max_element(block_len_.begin(), block_len_.end()) + sub_ - 1) / sub_;
   // Who reads whose slots: in the root modes only the root reads, and nobody reads the root's.
   reads_ = !root_only() || me == a_.root;
   stages_ = n > 1 && (!root_only() || me != a_.root) && !zero_copy_;

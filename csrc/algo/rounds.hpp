@@ -48,6 +48,8 @@ struct RoundsArgs {
                       // gathers: N times it; undefined where this rank receives nothing
   int root = 0;
   kernels::RedOp red_op = kernels::RedOp::kSum;
+  // reduce_scatter: bytes of the block each rank receives (uneven lists); empty: N equal blocks.
+  std::vector<int64_t> blocks;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (user tensor, output view)
   std::vector<at::Tensor> outputs;                           // the future's value
 };
@@ -72,6 +74,7 @@ class RoundsOp final : public CollectiveOp {
   }
   void plan(Context& ctx);
   Piece piece(int part, int64_t round) const;
+  int64_t block_bytes(Context& ctx, int j) const;
   char* slot(Context& ctx, int rank, int64_t round) const;
   bool stage(Context& ctx);
   bool combine(Context& ctx);

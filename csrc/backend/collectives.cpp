@@ -178,8 +178,32 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at:
   const at::Tensor& in = single_tensor(op, inputs);
   check_rank_list(op, outputs, "output");
   check_same_dtype(op, outputs[0], in.scalar_type(), "output tensor");
-  for (int r = 0; r < size_; ++r) {
-    check_numel(op, outputs[0][r], in.numel(), str("output tensor ", r));
+  check_numel(op, outputs[0][rank_], in.numel(), str("output tensor ", rank_, " (this rank's)"));
+  bool even = true;
+  for (int r = 0; r < size_; ++r) even &= outputs[0][r].numel() == in.numel();
+  if (!even) {
+    // Ranks contribute different sizes (as Megatron's expert-tensor-parallel dispatcher does):
+    // every rank sends its input to every peer over the all-to-all channels, whose split
+    // check verifies each output size against the sender's input.
+    std::vector<AllToAllBlock> send(size_), recv(size_);
+    std::vector<at::Tensor> keep;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+    at::Tensor c = in.contiguous();
+    keep.push_back(c);
+    for (int r = 0; r < size_; ++r) {
+      send[r] = {static_cast<char*>(c.data_ptr()), int64_t(c.nbytes())};
+      at::Tensor o = dense(outputs[0][r], false, copy_back);
+      recv[r] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
+      keep.push_back(o);
+    }
+    auto dl = deadline(opts.timeout);
+    return launch_collective(
+        [&](uint64_t seq) {
+          return std::make_shared<AllToAllOp>(op, CollKind::kAllGather, seq, dl, int(in.scalar_type()),
+                                              std::move(send), std::move(recv), std::move(keep),
+                                              std::move(copy_back), outputs[0]);
+        },
+        c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
   }
   RoundsArgs a;
   a.mode = RoundsMode::kAllGather;
@@ -347,8 +371,10 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter(
   const at::Tensor& out = single_tensor(op, outputs);
   check_rank_list(op, inputs, "input");
   check_same_dtype(op, inputs[0], out.scalar_type(), "input tensor");
-  for (int r = 0; r < size_; ++r) check_numel(op, inputs[0][r], out.numel(), str("input tensor ", r));
+  check_numel(op, inputs[0][rank_], out.numel(), str("input tensor ", rank_, " (this rank's block)"));
   RoundsArgs a;
+  // Blocks may differ in size per destination (uneven lists); all ranks must agree on them.
+  for (int r = 0; r < size_; ++r) a.blocks.push_back(int64_t(inputs[0][r].nbytes()));
   a.mode = RoundsMode::kReduceScatter;
   a.red_op = reduction(op, opts.reduceOp, out.scalar_type());
   a.input = flatten(inputs[0]);
