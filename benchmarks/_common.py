@@ -17,6 +17,12 @@ Timing method used by both benchmarks (so the numbers are comparable):
 Round trip (8-byte send/recv ping-pong between rank 0 and rank 1): the ping-pong synchronizes
 itself, so there is no barrier per sample; the value is rank 0's time per round trip. Ranks
 >= 2 wait meanwhile in a blocking (non-spinning) barrier so that they use no CPU.
+
+Capped cells (DeepSpeed's busy-spinning shm all-reduce, which gets very slow with more ranks
+than cores): the untimed op is timed too (max over ranks); if it alone exceeds the cap the cell
+reports that one value, otherwise the warmup count, batch and sample count are cut so that the
+whole cell stays within the cap (``Plan.choose_capped``), with at least one sample. Every
+decision uses values agreed by all ranks (max over ranks), so every rank runs the same ops.
 """
 from __future__ import annotations
 
@@ -31,7 +37,32 @@ FULL_SIZES = [1 * KiB, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [1 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
 
 PINGPONG_BYTES = 8
-OPS = ["roundtrip", "broadcast", "all_to_all_single"]
+# "memcpy" is a reference row, not a collective: every rank copies `size` bytes of its own at
+# the same moment (out.copy_(inp)), the single-copy bound of an all-to-all of that size.
+OPS = ["roundtrip", "broadcast", "all_to_all_single", "memcpy", "all_reduce", "all_reduce_bf16",
+       "all_gather_into_tensor", "reduce_scatter_tensor"]
+LABELS = {"all_reduce": "all_reduce fp32", "all_reduce_bf16": "all_reduce bf16",
+          "memcpy": "memcpy bound (copy_)"}
+# ops that also run on heap-resident inputs (torch_cam.empty), cam only
+HEAP_OPS = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+# ops that also run through DeepSpeed's shm all-reduce (--deepspeed)
+DS_OPS = ("all_reduce", "all_reduce_bf16")
+# ops bench_mpi.py measures (MPI has no bfloat16 type)
+MPI_OPS = ("roundtrip", "broadcast", "all_to_all_single", "all_reduce", "all_gather_into_tensor",
+           "reduce_scatter_tensor")
+MEMCPY_SIZES = (16 * MiB, 64 * MiB)
+
+
+def label(op: str) -> str:
+    return LABELS.get(op, op)
+
+
+def op_sizes(op: str, quick: bool) -> list[int]:
+    if op == "roundtrip":
+        return [PINGPONG_BYTES]
+    if op == "memcpy":
+        return [s for s in sizes_for(quick) if s in MEMCPY_SIZES]
+    return sizes_for(quick)
 
 
 @dataclasses.dataclass
@@ -61,6 +92,19 @@ class Plan:
         per_sample = batch * per_op_s + self.barrier_overhead_s
         samples = int(min(self.max_samples, max(self.min_samples, self.cell_budget_s // per_sample)))
         return batch, samples
+
+    def choose_capped(self, per_op_s: float, budget_s: float) -> tuple[int, int]:
+        """Like choose, but the samples must fit in budget_s (at least one sample of one op)."""
+        batch, samples = self.choose(per_op_s)
+        per_op_s = max(per_op_s, 1e-7)
+        batch = int(max(1, min(batch, budget_s // per_op_s)))
+        per_sample = batch * per_op_s + self.barrier_overhead_s
+        return batch, int(max(1, min(samples, budget_s // per_sample)))
+
+    def slow(self) -> "Plan":
+        """A smaller sample budget, for a backend that is expensive to run (DeepSpeed's shm)."""
+        return dataclasses.replace(self, cell_budget_s=self.cell_budget_s / 2, min_samples=3,
+                                   max_samples=min(self.max_samples, 15))
 
 
 FULL_PLAN = Plan(target_batch_s=2e-3, cell_budget_s=2.0, min_samples=5, max_samples=50, max_batch=16)

@@ -1,9 +1,10 @@
-"""cam vs gloo (and optionally Open MPI) on one machine, side by side in one run.
+"""cam vs gloo (and optionally Open MPI and DeepSpeed's shm all-reduce) on one machine, side by
+side in one run.
 
 Usage::
 
     timeout 900 .venv/bin/python benchmarks/bench_collectives.py --ranks 2 4 8 [--quick] \\
-        [--mpi] [--out results.md]
+        [--mpi] [--deepspeed] [--out results.md]
 
 For each world size N this spawns N worker processes (torch.multiprocessing, start method
 "spawn", rendezvous through a FileStore in a temp dir). Every worker creates a cam world group
@@ -12,9 +13,25 @@ For each world size N this spawns N worker processes (torch.multiprocessing, sta
 
 * ``roundtrip``: 8-byte (2 x float32) send/recv ping-pong rank 0 <-> rank 1, time per round
   trip as seen by rank 0; ranks >= 2 wait in a (blocking, non-spinning) gloo barrier;
-* ``broadcast`` from rank 0 and ``all_to_all_single`` (equal splits; size = per-rank input
-  tensor) of float32 tensors of 1 KiB, 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB (``--quick``:
-  1 KiB, 64 KiB, 1 MiB, 16 MiB and fewer samples).
+* at 1 KiB, 4 KiB, 64 KiB, 1 MiB, 16 MiB, 64 MiB per rank (``--quick``: 1 KiB, 64 KiB, 1 MiB,
+  16 MiB and fewer samples): ``broadcast`` from rank 0 (float32), ``all_to_all_single`` (float32,
+  equal splits; size = per-rank input), ``all_reduce`` SUM in place on float32 and on bfloat16,
+  ``all_gather_into_tensor`` (float32; size = per-rank input, the output is N x that) and
+  ``reduce_scatter_tensor`` (float32, SUM; size = per-rank input = N x output);
+* ``(heap)`` rows, cam only: all_to_all_single, all_reduce fp32, all_gather_into_tensor and
+  reduce_scatter_tensor with every rank's input allocated by ``torch_cam.empty`` in the cam
+  tensor heap, which peers read in place. The check also requires cam's ``heap_read_bytes``
+  stat to grow on every rank (``heap read`` in the check column; ``no heap read`` when cam
+  staged the op anyway, e.g. small all-reduces, which go one-shot through the windows);
+* ``memcpy bound`` at 16 MiB and 64 MiB: every rank copies that many bytes of its own at the
+  same moment (``out.copy_(inp)``), timed like a collective (barrier, then the copy on every rank,
+  max over ranks): the single-copy bound of an all-to-all of that size. With more ranks than
+  cores it is a loose bound (a rank's clock does not run while it waits for a core, whereas a
+  collective waits for its slowest peer), so the ratio is pessimistic there. The notes give bound / time for the all_to_all and all_reduce rows
+  (the heap all_to_all target is >= 0.70).
+
+Timed all-reduces run on zeros (an in-place SUM loop would otherwise grow the values to inf);
+the check refills the input.
 
 Timing (identical for cam, gloo and bench_mpi.py; details in _common.py): warmup, then K
 samples; a sample = barrier on the measured backend, then a batch of B back-to-back ops timed on
@@ -23,12 +40,24 @@ the timed loop). B and K come from the warmup cost, so they shrink with size and
 Median and p90 of the K samples are reported. After timing, each (op, size) result is checked
 once with fresh data (``check`` column).
 
-Every world size runs under a hard deadline (``--timeout``, default 300 s); past it the workers
+Every world size runs under a hard deadline (``--timeout``, default 600 s); past it the workers
 are killed and the partial table is printed with the cell that was running.
 
 ``--mpi`` also runs bench_mpi.py (mpirun, Open MPI vader shared memory) for the world sizes in
 ``--mpi-ranks`` (default: same as ``--ranks``) and adds ``mpi median`` and ``mpi/cam`` columns;
-the columns are omitted when mpirun is not on PATH.
+the columns are omitted when mpirun is not on PATH. MPI has no bfloat16: those cells are n/a.
+
+``--deepspeed`` (off by default) adds DeepSpeed's CPU shared-memory all-reduce
+(benchmarks/_deepspeed_shm.py) as ``ds-shm`` columns of the all_reduce rows, measured in the same
+workers, interleaved with cam and gloo. It is JIT-built the first time (~30-50 s, done once in the
+launcher before any deadline starts, then cached). Its waits busy-spin, so with more ranks than
+cores every op costs scheduler time slices: it gets half the sample budget and each cell is capped
+at ``--ds-cap`` seconds (default 2 with ``--quick``, else 5; the untimed first op is timed, and a
+cell whose first op alone passes the cap reports that op) so that it cannot eat the world size's
+deadline. ``(capped)`` marks cells that got fewer samples than the plan asked for.
+
+Ratios are time ratios: ``x gloo (gloo/cam)`` is gloo's median over cam's (> 1: cam is faster),
+likewise ``mpi/cam`` and ``ds/cam``.
 
 Ranks are not pinned unless ``--pin`` (rank r -> core r % ncores, for cam, gloo and MPI alike).
 Unpinned, the kernel sometimes places two ranks on one core for a whole run; spinning waiters
@@ -134,63 +163,177 @@ def _roundtrip_cell(backend: str, group, gloo, plan: C.Plan):
     return times, batch, samples, ok
 
 
-def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Plan):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    n = nbytes // 4
+def _dtype(op: str) -> torch.dtype:
+    return torch.bfloat16 if op == "all_reduce_bf16" else torch.float32
+
+
+def _buffers(op: str, nbytes: int, world: int, heap: bool) -> dict:
+    """The tensors of one cell. For heap cells the input lives in the cam tensor heap."""
+    dtype = _dtype(op)
+    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    if op == "reduce_scatter_tensor":
+        n -= n % world  # input = world x output
+
+    def alloc(count):
+        if heap:
+            import torch_cam
+            return torch_cam.empty(count, dtype=dtype)
+        return torch.empty(count, dtype=dtype)
+
+    b = {"n": n, "inp": alloc(n)}
+    b["inp"].fill_(0 if op.startswith("all_reduce") else dist.get_rank())  # zeros stay zeros in a loop of SUMs
+    out_n = {"all_to_all_single": n, "memcpy": n, "all_gather_into_tensor": n * world,
+             "reduce_scatter_tensor": n // world}.get(op)
+    if out_n is not None:
+        b["out"] = torch.empty(out_n, dtype=dtype)
+        b["out"].fill_(0)  # fault the pages in before timing
+    return b
+
+
+def _op_fn(op: str, b: dict, group, ds=None):
+    inp, out = b["inp"], b.get("out")
     if op == "broadcast":
-        buf = torch.full((n,), float(rank), dtype=torch.float32)
+        return lambda: dist.broadcast(inp, 0, group=group)
+    if op == "all_to_all_single":
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    if op == "memcpy":
+        return lambda: out.copy_(inp)
+    if op.startswith("all_reduce"):
+        if ds is not None:
+            return lambda: ds(inp)
+        return lambda: dist.all_reduce(inp, group=group)
+    if op == "all_gather_into_tensor":
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter_tensor":
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    raise ValueError(op)
 
-        def fn():
-            dist.broadcast(buf, 0, group=group)
-    else:
-        inp = torch.full((n,), float(rank), dtype=torch.float32)
-        out = torch.empty(n, dtype=torch.float32)
-        out.fill_(0)  # fault the pages in before timing
 
-        def fn():
-            dist.all_to_all_single(out, inp, group=group)
+def _check(op: str, b: dict, fn, rank: int, world: int) -> bool:
+    """Runs fn once on values the timed loop never wrote; True when this rank's result is exact.
+    Every value (and every partial sum, in any order) is an integer that fp32 / bf16 hold exactly."""
+    n, inp, out = b["n"], b["inp"], b.get("out")
+    idx = torch.arange(n, dtype=torch.int64)
+    f32 = torch.float32
+    if op == "broadcast":
+        expect = ((idx % 97) * 100 + 7).to(f32)
+        if rank == 0:
+            inp.copy_(expect)
+        else:
+            inp.fill_(-1)
+        fn()
+        return torch.equal(inp, expect)
+    if op in ("all_to_all_single", "memcpy"):
+        chunk = n // world
+        k, dst = idx % chunk, idx // chunk
+        inp.copy_(((rank * world + dst + 1) + (k % 97) * 100).to(f32))
+        out.fill_(-1)
+        fn()
+        if op == "memcpy":
+            return torch.equal(out, inp)
+        return torch.equal(out, ((dst * world + rank + 1) + (k % 97) * 100).to(f32))
+    if op == "all_reduce":
+        inp.copy_(((idx % 97) * 4 + rank + 1).to(f32))
+        fn()
+        return torch.equal(inp, ((idx % 97) * 4 * world + world * (world + 1) // 2).to(f32))
+    if op == "all_reduce_bf16":  # sums stay <= 256: exact in bf16 whatever the order
+        inp.copy_((idx % 4 + rank).to(inp.dtype))
+        fn()
+        return torch.equal(inp, ((idx % 4) * world + world * (world - 1) // 2).to(inp.dtype))
+    if op == "all_gather_into_tensor":
+        base = ((idx % 97) * 4 + 1).to(f32)
+        inp.copy_(base + 1000 * rank)
+        out.fill_(-1)
+        fn()
+        return all(torch.equal(out[r * n:(r + 1) * n], base + 1000 * r) for r in range(world))
+    if op == "reduce_scatter_tensor":
+        chunk = n // world
+        k, d = idx % chunk, idx // chunk
+        inp.copy_(((k % 97) * 4 + rank + 1000 * d + 1).to(f32))
+        out.fill_(-1)
+        fn()
+        kk = idx[:chunk] % 97
+        return torch.equal(out, (world * (kk * 4 + 1000 * rank + 1) + world * (world - 1) // 2).to(f32))
+    raise ValueError(op)
+
+
+def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Plan,
+                     heap: bool = False, ds=None, cap_s: float | None = None):
+    """Times one (op, size) on one backend; returns (times, batch, samples, ok, extra).
+    heap: input in the cam tensor heap (extra["heap_read"]: heap_read_bytes grew in the check);
+    ds: DeepSpeed's allreduce callable instead of dist.all_reduce; cap_s: time cap of the cell."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b = _buffers(op, nbytes, world, heap)
+    fn = _op_fn(op, b, group, ds)
+    extra = {}
 
     def barrier():
         dist.barrier(group=group)
 
     w = plan.warmup(nbytes)
-    for _ in range(w):
+    if cap_s is None:
+        for _ in range(w):
+            fn()
+        barrier()
+    else:  # the untimed op is timed, so that one slow op cannot blow the cap unnoticed
+        barrier()
+        t0 = time.perf_counter()
         fn()
-    barrier()
-    t0 = time.perf_counter()
-    for _ in range(w):
-        fn()
-    est = _allreduce_max((time.perf_counter() - t0) / w, gloo)
-    batch, samples = plan.choose(est)
-    times = [C.time_batch(fn, batch, before=barrier) for _ in range(samples)]
-    tt = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=gloo)
+        first = _allreduce_max(time.perf_counter() - t0, gloo)
+        if first > cap_s:
+            w = 0
+            extra["capped"] = True
+        else:
+            w = max(1, min(w, int(0.25 * cap_s / first)))
+        barrier()
+    if w:
+        t0 = time.perf_counter()
+        for _ in range(w):
+            fn()
+        est = _allreduce_max((time.perf_counter() - t0) / w, gloo)
+        if cap_s is None:
+            batch, samples = plan.choose(est)
+        else:
+            batch, samples = plan.choose_capped(est, cap_s - first - w * est)
+            if (batch, samples) != plan.choose(est):
+                extra["capped"] = True
+        times = [C.time_batch(fn, batch, before=barrier) for _ in range(samples)]
+        tt = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=gloo)
+        times = tt.tolist()
+    else:  # the first op alone took longer than the cap: it is the only sample
+        batch, samples, times = 1, 1, [first]
 
     # correctness, once per size, with values the timed loop never wrote
-    idx = torch.arange(n, dtype=torch.int64)
-    if op == "broadcast":
-        expect = ((idx % 97) * 100 + 7).to(torch.float32)
-        if rank == 0:
-            buf.copy_(expect)
-        else:
-            buf.fill_(-1)
-        fn()
-        ok = torch.equal(buf, expect)
-    else:
-        chunk = n // world
-        k, dst = idx % chunk, idx // chunk
-        inp.copy_(((rank * world + dst + 1) + (k % 97) * 100).to(torch.float32))
-        out.fill_(-1)
-        fn()
-        expect = ((dst * world + rank + 1) + (k % 97) * 100).to(torch.float32)
-        ok = torch.equal(out, expect)
+    if heap:
+        import torch_cam
+        stats = torch_cam.get_cam_backend(group)
+        before = stats.stats()["heap_read_bytes"]
+    ok = _check(op, b, fn, rank, world)
     ok = _all_ok(ok, gloo)
-    return tt.tolist(), batch, samples, ok
+    if heap:
+        extra["heap_read"] = _all_ok(stats.stats()["heap_read_bytes"] > before, gloo)
+    return times, batch, samples, ok, extra
+
+
+def _backends(op: str, cfg: dict) -> list[str]:
+    if op == "memcpy":
+        return ["local"]
+    names = list(BACKENDS)
+    if op in C.HEAP_OPS:
+        names.append("cam-heap")
+    if op in C.DS_OPS and cfg["deepspeed"]:
+        names.append("ds-shm")
+    return names
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str):
+    import warnings
+
     import torch_cam  # noqa: F401  registers backend "cam"
 
+    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (FutureWarning per call)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     torch.set_num_threads(1)
     if cfg["pin"]:  # before any backend thread exists, so they all inherit it
         cores = sorted(os.sched_getaffinity(0))
@@ -199,37 +342,56 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("cam", store=store, rank=rank, world_size=world, timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
-    groups = {"cam": None, "gloo": gloo}  # None = the cam world group
+    groups = {"cam": None, "gloo": gloo, "cam-heap": None, "local": None, "ds-shm": None}
     plan = C.plan_for(cfg["quick"])
     rows = []
     t_start = time.time()
+    ds, ds_error = None, None
+    if cfg["deepspeed"]:
+        from _deepspeed_shm import DeepSpeedShmUnavailable, make_ds_allreduce
+        try:
+            ds = make_ds_allreduce()  # collective; the ranks agree on failure
+        except DeepSpeedShmUnavailable as e:
+            ds_error = str(e)
+            cfg = dict(cfg, deepspeed=False)
 
     def dump(current=None, complete=False):
         if rank == 0:
             _atomic_json(result_path, {"world": world, "rows": rows, "current": current,
-                                       "complete": complete, "elapsed_s": time.time() - t_start})
+                                       "complete": complete, "elapsed_s": time.time() - t_start,
+                                       "ds_error": ds_error})
 
     for op in C.OPS:
-        sizes = [C.PINGPONG_BYTES] if op == "roundtrip" else C.sizes_for(cfg["quick"])
-        for nbytes in sizes:
-            for backend in BACKENDS:
-                current = f"{op} {C.fmt_size(nbytes)} {backend}"
+        for nbytes in C.op_sizes(op, cfg["quick"]):
+            for backend in _backends(op, cfg):
+                current = f"{C.label(op)} {C.fmt_size(nbytes)} {backend}"
                 dump(current)
                 c0 = time.time()
+                extra = {}
                 if op == "roundtrip":
                     times, batch, samples, ok = _roundtrip_cell(backend, groups[backend], gloo, plan)
+                elif backend == "ds-shm":
+                    try:
+                        times, batch, samples, ok, extra = _collective_cell(
+                            backend, op, nbytes, None, gloo, plan.slow(), ds=ds, cap_s=cfg["ds_cap"])
+                    except (TypeError, ValueError) as e:  # e.g. a dtype this CPU's kernels lack
+                        times, batch, samples, ok, extra = [], 0, 0, True, {"error": str(e)}
                 else:
-                    times, batch, samples, ok = _collective_cell(
-                        backend, op, nbytes, groups[backend], gloo, plan)
+                    times, batch, samples, ok, extra = _collective_cell(
+                        backend, op, nbytes, groups[backend], gloo, plan, heap=backend == "cam-heap")
                 if rank == 0:
                     row = {"op": op, "size": nbytes, "backend": backend, "batch": batch,
                            "samples": samples, "ok": ok, "cell_s": time.time() - c0}
+                    row.update(extra)
                     row.update(C.summarize(times))
                     rows.append(row)
-                    print(f"  [N={world}] {current:32s} median {C.fmt_time(row['median_us']):>10s}"
+                    flags = ("" if ok else "  CHECK FAILED") + \
+                        ("  (no heap read)" if row.get("heap_read") is False else "") + \
+                        ("  capped" if row.get("capped") else "") + \
+                        (f"  {row['error']}" if row.get("error") else "")
+                    print(f"  [N={world}] {current:42s} median {C.fmt_time(row['median_us']):>10s}"
                           f"  p90 {C.fmt_time(row['p90_us']):>10s}  {samples}x{batch}"
-                          f"{'' if ok else '  CHECK FAILED'}  ({row['cell_s']:.1f}s)",
-                          file=sys.stderr, flush=True)
+                          f"{flags}  ({row['cell_s']:.1f}s)", file=sys.stderr, flush=True)
     dump(None, complete=True)
     dist.barrier(group=gloo)
     dist.destroy_process_group(gloo)
@@ -243,7 +405,8 @@ def run_world(world: int, args) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"bench_cam_{world}_")
     store_path = os.path.join(tmp, "store")
     result_path = os.path.join(tmp, "result.json")
-    cfg = {"quick": args.quick, "op_timeout": args.op_timeout, "pin": args.pin}
+    cfg = {"quick": args.quick, "op_timeout": args.op_timeout, "pin": args.pin,
+           "deepspeed": args.deepspeed and not args.ds_unavailable, "ds_cap": args.ds_cap}
     error = None
     t0 = time.time()
     ctx = mp.start_processes(_worker, args=(world, store_path, cfg, result_path), nprocs=world,
@@ -290,12 +453,16 @@ def _cam_version() -> str:
         return f"? ({e})"
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def header(world: int, args) -> str:
     cores = os.cpu_count()
-    try:
-        avail = len(os.sched_getaffinity(0))
-    except AttributeError:
-        avail = cores
+    avail = _usable_cores()
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return (f"## world size {world} — {date}, torch {torch.__version__}, torch_cam {_cam_version()}, "
             f"{cores} cores ({avail} usable, {world / max(avail, 1):.1f} ranks/core), "
@@ -338,36 +505,107 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
     by = {(r["op"], r["size"], r["backend"]): r for r in res["rows"]}
     mpi_rows = {(r["op"], r["size"]): r for r in (mpi or {}).get("rows", [])}
     with_mpi = mpi is not None
-    cols = ["op", "size", "cam median", "cam p90", "gloo median", "gloo p90", "gloo/cam (speedup)"]
+    with_ds = bool(getattr(args, "deepspeed", False)) or any(r["backend"] == "ds-shm" for r in res["rows"])
+    cols = ["op", "size", "cam median", "cam p90", "gloo median", "gloo p90", "x gloo (gloo/cam)"]
     if with_mpi:
         cols += ["mpi median", "mpi/cam"]
-    cols += ["samples×batch (cam / gloo" + (" / mpi)" if with_mpi else ")"), "check"]
+    if with_ds:
+        cols += ["ds-shm median", "ds-shm p90", "ds/cam"]
+    cols += ["samples×batch (cam / gloo" + (" / mpi" if with_mpi else "") + (" / ds" if with_ds else "") + ")",
+             "check"]
     lines = [header(world, args), "",
              "| " + " | ".join(cols) + " |",
              "|" + "---|" * len(cols)]
-    keys = []
+    med = lambda r: r["median_us"] if r else None  # noqa: E731
+    p90 = lambda r: r["p90_us"] if r else None  # noqa: E731
+    sb = lambda r: f"{r['samples']}×{r['batch']}" if r and r.get("samples") else "–"  # noqa: E731
+    no_heap_read = []
     for op in C.OPS:
-        sizes = [C.PINGPONG_BYTES] if op == "roundtrip" else C.sizes_for(args.quick)
-        keys += [(op, s) for s in sizes]
-    for op, size in keys:
-        cam, gloo = by.get((op, size, "cam")), by.get((op, size, "gloo"))
-        if cam is None and gloo is None:
+        variants = [("local", "")] if op == "memcpy" else \
+            [("cam", "")] + ([("cam-heap", " (heap)")] if op in C.HEAP_OPS else [])
+        for size in C.op_sizes(op, args.quick):
+            gloo = by.get((op, size, "gloo"))
+            m = mpi_rows.get((op, size))
+            d = by.get((op, size, "ds-shm"))
+            if d is not None and d.get("error"):
+                d = None
+            for key, suffix in variants:
+                cam = by.get((op, size, key))
+                if cam is None and (key != "cam" or gloo is None):
+                    continue
+                name = C.label(op) + suffix + (" (rank0↔1)" if op == "roundtrip" else "")
+                cells = [name, C.fmt_size(size), C.fmt_time(med(cam)), C.fmt_time(p90(cam))]
+                if key == "local":  # reference row: nothing to compare with
+                    cells += ["–", "–", "–"] + (["–", "–"] if with_mpi else []) + \
+                        (["–", "–", "–"] if with_ds else [])
+                    cells.append(sb(cam))
+                else:
+                    cells += [C.fmt_time(med(gloo)), C.fmt_time(p90(gloo)), C.fmt_ratio(med(gloo), med(cam))]
+                    if with_mpi:
+                        cells += [C.fmt_time(med(m)), C.fmt_ratio(med(m), med(cam))]
+                    if with_ds:
+                        ds_cells = [C.fmt_time(med(d)), C.fmt_time(p90(d)), C.fmt_ratio(med(d), med(cam))]
+                        if d is not None and d.get("capped"):
+                            ds_cells[0] += " (capped)"
+                        cells += ds_cells if op in C.DS_OPS else ["–", "–", "–"]
+                    if key == "cam-heap":  # the other backends have no heap: their columns repeat the row above
+                        cells.append(sb(cam))
+                    else:
+                        parts = [sb(cam), sb(gloo)] + ([sb(m)] if with_mpi else []) + \
+                            ([sb(d)] if with_ds else [])
+                        cells.append(" / ".join(parts))
+                if key == "cam-heap":
+                    check = "ok" if cam["ok"] else "WRONG: cam-heap"
+                    if cam.get("heap_read") is False:
+                        check += ", no heap read"
+                        no_heap_read.append(f"{C.label(op)} {C.fmt_size(size)}")
+                    elif cam.get("heap_read"):
+                        check += ", heap read"
+                    cells.append(check)
+                else:
+                    named = (("cam" if key == "cam" else "memcpy", cam), ("gloo", gloo), ("mpi", m), ("ds", d))
+                    bad = [nm for nm, r in named if r and not r["ok"]]
+                    cells.append("WRONG: " + ",".join(bad) if bad else "ok")
+                lines.append("| " + " | ".join(cells) + " |")
+    notes = ["`(heap)` rows: cam with every rank's input in its tensor heap (`torch_cam.empty`), which "
+             "peers read in place; gloo/mpi/ds-shm have no such memory, so their columns (and the ratios) "
+             "repeat the ordinary-tensor measurement of the same op. `heap read`: the check saw cam's "
+             "`heap_read_bytes` grow on every rank (the in-place path ran)."]
+    if no_heap_read:
+        notes.append("no heap read (cam staged these although the inputs were heap-resident): " +
+                     ", ".join(no_heap_read))
+    for size in C.MEMCPY_SIZES:
+        bound = by.get(("memcpy", size, "local"))
+        if not bound:
             continue
-        m = mpi_rows.get((op, size))
-        med = lambda r: r["median_us"] if r else None  # noqa: E731
-        p90 = lambda r: r["p90_us"] if r else None  # noqa: E731
-        sb = lambda r: f"{r['samples']}×{r['batch']}" if r else "–"  # noqa: E731
-        cells = [op + (" (rank0↔1)" if op == "roundtrip" else ""), C.fmt_size(size),
-                 C.fmt_time(med(cam)), C.fmt_time(p90(cam)), C.fmt_time(med(gloo)),
-                 C.fmt_time(p90(gloo)), C.fmt_ratio(med(gloo), med(cam))]
-        if with_mpi:
-            cells += [C.fmt_time(med(m)), C.fmt_ratio(med(m), med(cam))]
-        parts = [sb(cam), sb(gloo)] + ([sb(m)] if with_mpi else [])
-        cells.append(" / ".join(parts))
-        bad = [name for name, r in (("cam", cam), ("gloo", gloo), ("mpi", m)) if r and not r["ok"]]
-        cells.append("WRONG: " + ",".join(bad) if bad else "ok")
-        lines.append("| " + " | ".join(cells) + " |")
-    notes = []
+        ratio = lambda op, key: (bound["median_us"] / by[(op, size, key)]["median_us"]  # noqa: E731
+                                 if (op, size, key) in by else None)
+        a2a_heap, a2a = ratio("all_to_all_single", "cam-heap"), ratio("all_to_all_single", "cam")
+        ar_heap, ar = ratio("all_reduce", "cam-heap"), ratio("all_reduce", "cam")
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+        note = (f"memcpy bound at {C.fmt_size(size)}: every rank copies {C.fmt_size(size)} at once "
+                f"(`out.copy_(inp)`, max over ranks) in {C.fmt_time(bound['median_us'])}"
+                f"{' (loose with more ranks than cores)' if world > _usable_cores() else ''}. "
+                f"bound / all_to_all_single time: heap {fmt(a2a_heap)}")
+        if a2a_heap is not None:
+            note += f" (target ≥ 0.70: {'met' if a2a_heap >= 0.7 else 'NOT met'})"
+        note += (f", ordinary {fmt(a2a)}; same ratio for all_reduce fp32 (a reference there, not a "
+                 f"bound: a two-shot all-reduce copies less than the whole tensor per rank): heap "
+                 f"{fmt(ar_heap)}, ordinary {fmt(ar)}")
+        notes.append(note)
+    if with_ds:
+        ds_rows = [r for r in res["rows"] if r["backend"] == "ds-shm"]
+        capped = [f"{C.label(r['op'])} {C.fmt_size(r['size'])}" for r in ds_rows if r.get("capped")]
+        errs = [f"{C.label(r['op'])} {C.fmt_size(r['size'])}: {r['error']}" for r in ds_rows if r.get("error")]
+        notes.append(f"ds-shm: DeepSpeed's shm all-reduce (benchmarks/_deepspeed_shm.py, busy-waiting), "
+                     f"smaller sample budget and at most {args.ds_cap:g} s per cell" +
+                     (f"; capped cells: {', '.join(capped)}" if capped else ""))
+        if errs:
+            notes.append("ds-shm not measured: " + "; ".join(errs))
+        if res.get("ds_error"):
+            notes.append(f"**ds-shm unavailable:** {res['ds_error']}")
+        elif getattr(args, "ds_unavailable", None):
+            notes.append(f"**ds-shm unavailable:** {args.ds_unavailable}")
     cam_rt = by.get(("roundtrip", C.PINGPONG_BYTES, "cam"))
     if floor_us and cam_rt:
         notes.append(f"do-nothing floor: one send + one recv from Python on torch's 'fake' backend costs "
@@ -379,7 +617,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
     if mpi is not None and mpi.get("error"):
         notes.append(f"**mpi error:** {mpi['error']}")
     if mpi is not None:
-        notes.append(f"mpi: `{mpi.get('cmd', '')}`")
+        notes.append(f"mpi: `{mpi.get('cmd', '')}` (no bf16 in MPI: its all_reduce bf16 cells are n/a)")
     notes.append(f"torch workers wall time for this world size: {res.get('wall_s', math.nan):.1f} s")
     if res.get("load_before"):
         lb, la = res["load_before"], res["load_after"]
@@ -395,7 +633,7 @@ def main():
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and samples")
     ap.add_argument("--out", help="also write the markdown here")
-    ap.add_argument("--timeout", type=float, default=300, help="hard deadline per world size (s)")
+    ap.add_argument("--timeout", type=float, default=600, help="hard deadline per world size (s)")
     ap.add_argument("--op-timeout", type=float, default=120,
                     help="timeout given to the process groups (s)")
     ap.add_argument("--pin", action="store_true",
@@ -404,7 +642,15 @@ def main():
     ap.add_argument("--mpi-ranks", type=int, nargs="+", default=None,
                     help="world sizes to run MPI for (default: --ranks)")
     ap.add_argument("--mpi-single-copy", default=None, help="see bench_mpi.py --mpi-single-copy")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="add DeepSpeed's shm all-reduce (ds-shm columns) to the all_reduce rows; off by "
+                         "default (needs deepspeed, ninja, g++; JIT-builds once, ~30-50 s, then cached)")
+    ap.add_argument("--ds-cap", type=float, default=None,
+                    help="time cap of one ds-shm cell in seconds (default: 2 with --quick, else 5)")
     args = ap.parse_args()
+    if args.ds_cap is None:
+        args.ds_cap = 2.0 if args.quick else 5.0
+    args.ds_unavailable = None
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
@@ -416,6 +662,16 @@ def main():
     mpi_ranks = set(args.mpi_ranks if args.mpi_ranks is not None else args.ranks)
 
     t_all = time.time()
+    if args.deepspeed:  # build (or load the cached) extension once here, outside any deadline
+        print("== DeepSpeed shm all-reduce: loading (JIT-built the first time, ~30-50 s)", file=sys.stderr,
+              flush=True)
+        try:
+            import _deepspeed_shm
+            _deepspeed_shm._load_op(verbose=False)
+        except Exception as e:  # DeepSpeedShmUnavailable, or anything deepspeed's import raises
+            args.ds_unavailable = f"{type(e).__name__}: {e}"
+            print(f"note: --deepspeed: {args.ds_unavailable}; omitting the ds-shm measurements",
+                  file=sys.stderr, flush=True)
     floor_us = do_nothing_floor_us()
     out_parts = [f"# torch_cam collectives benchmark\n\ncommand: `{' '.join([sys.executable] + sys.argv)}`\n"]
     if args.out:

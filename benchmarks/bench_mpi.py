@@ -1,8 +1,11 @@
 """Open MPI shared-memory reference for bench_collectives.py, through mpi4py.
 
 Measures the same ops as bench_collectives.py with the same timing method (see _common.py):
-8-byte Send/Recv ping-pong round trip between rank 0 and rank 1, ``Bcast`` from rank 0 and
-``Alltoall`` (equal splits; size = per-rank send buffer) on numpy float32 buffers.
+8-byte Send/Recv ping-pong round trip between rank 0 and rank 1, ``Bcast`` from rank 0,
+``Alltoall`` (equal splits; size = per-rank send buffer), in-place ``Allreduce`` (SUM),
+``Allgather`` (size = per-rank send buffer) and ``Reduce_scatter_block`` (SUM; size = per-rank
+send buffer = N x receive buffer) on numpy float32 buffers. MPI has no bfloat16 datatype, so
+the bf16 all-reduce of bench_collectives.py has no MPI counterpart.
 
 Setup (Debian 12 here: Open MPI 4.1.4, mpi4py 4.1.2)::
 
@@ -101,20 +104,81 @@ def _roundtrip(comm, plan, MPI, np):
     return times if rank == 0 else None, batch, samples, ok
 
 
+def _buffers(op, nbytes, world, rank, np):
+    n = nbytes // 4
+    if op == "reduce_scatter_tensor":
+        n -= n % world  # send = world x recv
+    send = np.full(n, 0.0 if op == "all_reduce" else float(rank), dtype=np.float32)
+    recv_n = {"all_to_all_single": n, "all_gather_into_tensor": n * world,
+              "reduce_scatter_tensor": n // world}.get(op)
+    recv = None
+    if recv_n is not None:
+        recv = np.empty(recv_n, dtype=np.float32)
+        recv[:] = 0  # fault the pages in before timing
+    return n, send, recv
+
+
+def _op_fn(op, comm, send, recv, MPI):
+    if op == "broadcast":
+        return lambda: comm.Bcast(send, root=0)
+    if op == "all_to_all_single":
+        return lambda: comm.Alltoall(send, recv)
+    if op == "all_reduce":  # in place, as dist.all_reduce (zeros stay zeros)
+        return lambda: comm.Allreduce(MPI.IN_PLACE, send, op=MPI.SUM)
+    if op == "all_gather_into_tensor":
+        return lambda: comm.Allgather(send, recv)
+    if op == "reduce_scatter_tensor":
+        return lambda: comm.Reduce_scatter_block(send, recv, op=MPI.SUM)
+    raise ValueError(op)
+
+
+def _check(op, n, send, recv, fn, rank, world, np):
+    """Once per size, after timing, with fresh values; the same values as bench_collectives.py."""
+    idx = np.arange(n, dtype=np.int64)
+    if op == "broadcast":
+        expect = ((idx % 97) * 100 + 7).astype(np.float32)
+        if rank == 0:
+            send[:] = expect
+        else:
+            send[:] = -1
+        fn()
+        return bool(np.array_equal(send, expect))
+    if op == "all_to_all_single":
+        chunk = n // world
+        k = idx % chunk
+        dst = idx // chunk
+        send[:] = ((rank * world + dst + 1) + (k % 97) * 100).astype(np.float32)
+        recv[:] = -1
+        fn()
+        expect = ((dst * world + rank + 1) + (k % 97) * 100).astype(np.float32)
+        return bool(np.array_equal(recv, expect))
+    if op == "all_reduce":
+        send[:] = ((idx % 97) * 4 + rank + 1).astype(np.float32)
+        fn()
+        return bool(np.array_equal(send, ((idx % 97) * 4 * world + world * (world + 1) // 2).astype(np.float32)))
+    if op == "all_gather_into_tensor":
+        base = ((idx % 97) * 4 + 1).astype(np.float32)
+        send[:] = base + 1000 * rank
+        recv[:] = -1
+        fn()
+        return all(bool(np.array_equal(recv[r * n:(r + 1) * n], base + 1000 * r)) for r in range(world))
+    if op == "reduce_scatter_tensor":
+        chunk = n // world
+        k = idx % chunk
+        d = idx // chunk
+        send[:] = ((k % 97) * 4 + rank + 1000 * d + 1).astype(np.float32)
+        recv[:] = -1
+        fn()
+        kk = idx[:chunk] % 97
+        return bool(np.array_equal(recv, (world * (kk * 4 + 1000 * rank + 1) + world * (world - 1) // 2)
+                                   .astype(np.float32)))
+    raise ValueError(op)
+
+
 def _collective(comm, op, nbytes, plan, MPI, np):
     rank, world = comm.rank, comm.size
-    n = nbytes // 4
-    if op == "broadcast":
-        buf = np.full(n, float(rank), dtype=np.float32)
-
-        def fn():
-            comm.Bcast(buf, root=0)
-    else:
-        send = np.full(n, float(rank), dtype=np.float32)
-        recv = np.empty(n, dtype=np.float32)
-
-        def fn():
-            comm.Alltoall(send, recv)
+    n, send, recv = _buffers(op, nbytes, world, rank, np)
+    fn = _op_fn(op, comm, send, recv, MPI)
 
     w = plan.warmup(nbytes)
     for _ in range(w):
@@ -128,25 +192,7 @@ def _collective(comm, op, nbytes, plan, MPI, np):
     times = np.array([C.time_batch(fn, batch, before=comm.Barrier) for _ in range(samples)])
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
 
-    # correctness (once per size, after timing, with fresh values)
-    idx = np.arange(n, dtype=np.int64)
-    if op == "broadcast":
-        expect = ((idx % 97) * 100 + 7).astype(np.float32)
-        if rank == 0:
-            buf[:] = expect
-        else:
-            buf[:] = -1
-        comm.Bcast(buf, root=0)
-        ok = bool(np.array_equal(buf, expect))
-    else:
-        chunk = n // world
-        k = idx % chunk
-        dst = idx // chunk
-        send[:] = ((rank * world + dst + 1) + (k % 97) * 100).astype(np.float32)
-        recv[:] = -1
-        comm.Alltoall(send, recv)
-        expect = ((dst * world + rank + 1) + (k % 97) * 100).astype(np.float32)
-        ok = bool(np.array_equal(recv, expect))
+    ok = _check(op, n, send, recv, fn, rank, world, np)
     ok = comm.allreduce(ok, op=MPI.LAND)
     return list(times), batch, samples, ok
 
@@ -158,9 +204,8 @@ def worker_main(args):
     comm = MPI.COMM_WORLD
     plan = C.plan_for(args.quick)
     rows = []
-    for op in C.OPS:
-        sizes = [C.PINGPONG_BYTES] if op == "roundtrip" else C.sizes_for(args.quick)
-        for nbytes in sizes:
+    for op in C.MPI_OPS:
+        for nbytes in C.op_sizes(op, args.quick):
             if op == "roundtrip":
                 times, batch, samples, ok = _roundtrip(comm, plan, MPI, np)
             else:
@@ -252,7 +297,7 @@ def table(result: dict) -> str:
              "| op | size | mpi median | mpi p90 | samples×batch | check |",
              "|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['op']} | {C.fmt_size(r['size'])} | {C.fmt_time(r['median_us'])} | "
+        lines.append(f"| {C.label(r['op'])} | {C.fmt_size(r['size'])} | {C.fmt_time(r['median_us'])} | "
                      f"{C.fmt_time(r['p90_us'])} | {r['samples']}×{r['batch']} | "
                      f"{'ok' if r['ok'] else 'WRONG'} |")
     if result.get("error"):
