@@ -87,7 +87,27 @@ c10::intrusive_ptr<c10d::Work> CamBackend::launch(std::shared_ptr<Op> op, c10d::
                                                   const char* title, std::vector<at::Tensor> inputs) {
   auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
   engine_->submit(std::move(op));
+  std::lock_guard<std::mutex> lk(issue_mu_);
+  if (coalescing_) coalesced_.push_back(work);
   return work;
+}
+
+void CamBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lk(issue_mu_);
+  TORCH_CHECK(!coalescing_, "cam on rank ", rank_, ": startCoalescing called twice without endCoalescing");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> CamBackend::endCoalescing() {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lk(issue_mu_);
+    TORCH_CHECK(coalescing_, "cam on rank ", rank_, ": endCoalescing called without startCoalescing");
+    coalescing_ = false;
+    works.swap(coalesced_);
+  }
+  return c10::make_intrusive<CamCoalescedWork>(rank_, std::move(works));
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -71,6 +71,12 @@ class CamBackend : public c10d::Backend {
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
 
+  // Coalescing (dist._coalescing_manager with a device): ops between start and end are issued
+  // as usual (cam ops are asynchronous anyway); end returns one Work over all of them.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   // Sequence numbers count collectives; every rank starts at 0 when the group is created.
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
@@ -123,6 +129,8 @@ class CamBackend : public c10d::Backend {
   std::string group_id_;
   std::mutex issue_mu_;
   uint64_t coll_seq_ = 0;
+  bool coalescing_ = false;  // guarded by issue_mu_
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   uint64_t recv_seq_ = 0;
 };
 
@@ -139,6 +147,7 @@ inline c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make,
     ++coll_seq_;
     work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
     engine_->submit(op);
+    if (coalescing_) coalesced_.push_back(work);
   }
   return work;
 }

@@ -40,4 +40,61 @@ bool CamWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+CamCoalescedWork::CamCoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+    : c10d::Work(rank, c10d::OpType::COALESCED, "cam:coalesced"), works_(std::move(works)) {
+  // Completes when the last op does, with every op's outputs, or with the first error seen.
+  future_ = c10::make_intrusive<c10::ivalue::Future>(Op::tensor_list_type());
+  auto pending = std::make_shared<std::atomic<size_t>>(works_.size());
+  auto outputs = std::make_shared<std::vector<at::Tensor>>();
+  auto mu = std::make_shared<std::mutex>();
+  if (works_.empty()) future_->markCompleted(c10::IValue(c10::List<at::Tensor>()));
+  for (auto& w : works_) {
+    c10::weak_intrusive_ptr<c10::ivalue::Future> weak(future_);
+    w->getFuture()->addCallback([weak, pending, outputs, mu](c10::ivalue::Future& f) {
+      auto fut = weak.lock();
+      if (!fut) return;
+      {
+        std::lock_guard<std::mutex> lk(*mu);
+        if (f.hasError()) {
+          if (!fut->completed()) fut->setErrorIfNeeded(f.exception_ptr());
+        } else if (f.value().isTensorList()) {
+          for (const auto& t : f.value().toTensorVector()) outputs->push_back(t);
+        }
+      }
+      if (pending->fetch_sub(1) == 1 && !fut->completed()) {
+        fut->markCompleted(c10::IValue(c10::List<at::Tensor>(*outputs)));
+      }
+    });
+  }
+}
+
+bool CamCoalescedWork::isCompleted() {
+  for (auto& w : works_) {
+    if (!w->isCompleted()) return false;
+  }
+  return true;
+}
+
+bool CamCoalescedWork::isSuccess() const { return future_->completed() && !future_->hasError(); }
+
+std::exception_ptr CamCoalescedWork::exception() const {
+  return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> CamCoalescedWork::result() {
+  wait();
+  std::vector<at::Tensor> out;
+  for (auto& w : works_) {
+    for (auto& t : w->result()) out.push_back(t);
+  }
+  return out;
+}
+
+bool CamCoalescedWork::wait(std::chrono::milliseconds timeout) {
+  for (auto& w : works_) w->wait(timeout);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CamCoalescedWork::getFuture() { return future_; }
+
 }  // namespace cam

@@ -28,4 +28,23 @@ class CamWork : public c10d::Work {
   std::shared_ptr<Op> op_;
 };
 
+// The Work of a coalesced block (dist._coalescing_manager with a device, as DeepSpeed's ZeRO-3
+// uses): the block's ops were issued as usual; this waits for all of them.
+class CamCoalescedWork : public c10d::Work {
+ public:
+  CamCoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
 }  // namespace cam
