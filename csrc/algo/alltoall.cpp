@@ -42,6 +42,11 @@ void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
 void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
   auto who = [&](int r) { return r == ctx.rank ? std::string("this rank") : str("rank ", r); };
   for (int r = 0; r < ctx.world; ++r) {
+    if (kind_ == CollKind::kAllGather && descs[r]->algo != 0) {
+      refuse(ctx, uneven_all_gather_mismatch(r, true));
+    }
+  }
+  for (int r = 0; r < ctx.world; ++r) {
     if (descs[r]->dtype != dtype_) {
       refuse(ctx, str(who(r), " exchanges ", dtype_name(descs[r]->dtype), " while this rank exchanges ",
                       dtype_name(dtype_)));

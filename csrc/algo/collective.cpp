@@ -23,6 +23,16 @@ void CollectiveOp::refuse(Context& ctx, const std::string& what) const {
   throw ValidationError(where(ctx.rank) + ": " + what);
 }
 
+std::string uneven_all_gather_mismatch(int other, bool this_rank_uneven) {
+  return this_rank_uneven
+             ? str("rank ", other, " passes output tensors that all have its input's size, while "
+                   "this rank's output sizes differ per rank (uneven all_gather); every rank must "
+                   "pass the same output sizes")
+             : str("rank ", other, " passes output tensors whose sizes differ per rank (uneven "
+                   "all_gather), while every output tensor of this rank has its input's size; "
+                   "every rank must pass the same output sizes");
+}
+
 std::string CollectiveOp::waiting_for() const {
   if (missing_.empty()) return Op::waiting_for();
   std::string ranks;

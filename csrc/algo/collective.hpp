@@ -26,6 +26,11 @@ enum class CollKind : int32_t {
 };
 const char* coll_kind_name(CollKind k);
 
+// all_gather runs as staged rounds when every output has the input's size and over the
+// all-to-all channels otherwise; ranks that disagree learn it from the descriptors' algo field
+// (0 for all-to-all).
+std::string uneven_all_gather_mismatch(int uneven_rank, bool this_rank_uneven);
+
 class CollectiveOp : public Op {
  public:
   CollectiveOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline)

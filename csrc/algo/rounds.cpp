@@ -50,6 +50,11 @@ void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs)
   auto who = [&](int r) { return r == ctx.rank ? std::string("this rank") : str("rank ", r); };
   const int dtype = int32_t(a_.input.scalar_type());
   for (int r = 0; r < ctx.world; ++r) {
+    if (descs[r]->algo == 0 && kind_ == CollKind::kAllGather) {
+      refuse(ctx, uneven_all_gather_mismatch(r, false));
+    }
+  }
+  for (int r = 0; r < ctx.world; ++r) {
     const CollDesc* d = descs[r];
     if (root_only() && d->root != a_.root) {
       refuse(ctx, str(who(r), " uses root ", d->root, " while this rank uses root ", a_.root));
