@@ -23,6 +23,8 @@ For each world size N this spawns N worker processes (torch.multiprocessing, sta
   tensor heap, which peers read in place. The check also requires cam's ``heap_read_bytes``
   stat to grow on every rank (``heap read`` in the check column; ``no heap read`` when cam
   staged the op anyway, e.g. small all-reduces, which go one-shot through the windows);
+* ``(direct)`` rows, cam only: all_reduce fp32 / bf16 through ``torch_cam.all_reduce_`` (no
+  torch.distributed Python layer, no Work object), the fair comparison with DeepSpeed's op;
 * ``memcpy bound`` at 16 MiB and 64 MiB: every rank copies that many bytes of its own at the
   same moment (``out.copy_(inp)``), timed like a collective (barrier, then the copy on every rank,
   max over ranks): the single-copy bound of an all-to-all of that size. With more ranks than
@@ -190,7 +192,7 @@ def _buffers(op: str, nbytes: int, world: int, heap: bool) -> dict:
     return b
 
 
-def _op_fn(op: str, b: dict, group, ds=None):
+def _op_fn(op: str, b: dict, group, ds=None, direct=False):
     inp, out = b["inp"], b.get("out")
     if op == "broadcast":
         return lambda: dist.broadcast(inp, 0, group=group)
@@ -201,6 +203,9 @@ def _op_fn(op: str, b: dict, group, ds=None):
     if op.startswith("all_reduce"):
         if ds is not None:
             return lambda: ds(inp)
+        if direct:
+            import torch_cam
+            return lambda: torch_cam.all_reduce_(inp, group=group)
         return lambda: dist.all_reduce(inp, group=group)
     if op == "all_gather_into_tensor":
         return lambda: dist.all_gather_into_tensor(out, inp, group=group)
@@ -258,13 +263,13 @@ def _check(op: str, b: dict, fn, rank: int, world: int) -> bool:
 
 
 def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Plan,
-                     heap: bool = False, ds=None, cap_s: float | None = None):
+                     heap: bool = False, ds=None, cap_s: float | None = None, direct: bool = False):
     """Times one (op, size) on one backend; returns (times, batch, samples, ok, extra).
     heap: input in the cam tensor heap (extra["heap_read"]: heap_read_bytes grew in the check);
     ds: DeepSpeed's allreduce callable instead of dist.all_reduce; cap_s: time cap of the cell."""
     rank, world = dist.get_rank(), dist.get_world_size()
     b = _buffers(op, nbytes, world, heap)
-    fn = _op_fn(op, b, group, ds)
+    fn = _op_fn(op, b, group, ds, direct)
     extra = {}
 
     def barrier():
@@ -322,6 +327,8 @@ def _backends(op: str, cfg: dict) -> list[str]:
     names = list(BACKENDS)
     if op in C.HEAP_OPS:
         names.append("cam-heap")
+    if op in C.DS_OPS:
+        names.append("cam-direct")
     if op in C.DS_OPS and cfg["deepspeed"]:
         names.append("ds-shm")
     return names
@@ -342,7 +349,8 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("cam", store=store, rank=rank, world_size=world, timeout=timeout)
     gloo = dist.new_group(backend="gloo", timeout=timeout)
-    groups = {"cam": None, "gloo": gloo, "cam-heap": None, "local": None, "ds-shm": None}
+    groups = {"cam": None, "gloo": gloo, "cam-heap": None, "cam-direct": None, "local": None,
+              "ds-shm": None}
     plan = C.plan_for(cfg["quick"])
     rows = []
     t_start = time.time()
@@ -378,7 +386,8 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
                         times, batch, samples, ok, extra = [], 0, 0, True, {"error": str(e)}
                 else:
                     times, batch, samples, ok, extra = _collective_cell(
-                        backend, op, nbytes, groups[backend], gloo, plan, heap=backend == "cam-heap")
+                        backend, op, nbytes, groups[backend], gloo, plan, heap=backend == "cam-heap",
+                        direct=backend == "cam-direct")
                 if rank == 0:
                     row = {"op": op, "size": nbytes, "backend": backend, "batch": batch,
                            "samples": samples, "ok": ok, "cell_s": time.time() - c0}
@@ -522,7 +531,8 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
     no_heap_read = []
     for op in C.OPS:
         variants = [("local", "")] if op == "memcpy" else \
-            [("cam", "")] + ([("cam-heap", " (heap)")] if op in C.HEAP_OPS else [])
+            [("cam", "")] + ([("cam-heap", " (heap)")] if op in C.HEAP_OPS else []) + \
+            ([("cam-direct", " (direct)")] if op in C.DS_OPS else [])
         for size in C.op_sizes(op, args.quick):
             gloo = by.get((op, size, "gloo"))
             m = mpi_rows.get((op, size))
@@ -548,7 +558,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
                         if d is not None and d.get("capped"):
                             ds_cells[0] += " (capped)"
                         cells += ds_cells if op in C.DS_OPS else ["–", "–", "–"]
-                    if key == "cam-heap":  # the other backends have no heap: their columns repeat the row above
+                    if key in ("cam-heap", "cam-direct"):  # cam variants: the other columns repeat the row above
                         cells.append(sb(cam))
                     else:
                         parts = [sb(cam), sb(gloo)] + ([sb(m)] if with_mpi else []) + \
@@ -567,7 +577,10 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
                     bad = [nm for nm, r in named if r and not r["ok"]]
                     cells.append("WRONG: " + ",".join(bad) if bad else "ok")
                 lines.append("| " + " | ".join(cells) + " |")
-    notes = ["`(heap)` rows: cam with every rank's input in its tensor heap (`torch_cam.empty`), which "
+    notes = ["`(direct)` rows: the same all_reduce through `torch_cam.all_reduce_`, which skips "
+             "torch.distributed's Python layer and Work object (as DeepSpeed's op skips them); the "
+             "other columns repeat the row above.",
+             "`(heap)` rows: cam with every rank's input in its tensor heap (`torch_cam.empty`), which "
              "peers read in place; gloo/mpi/ds-shm have no such memory, so their columns (and the ratios) "
              "repeat the ordinary-tensor measurement of the same op. `heap read`: the check saw cam's "
              "`heap_read_bytes` grow on every rank (the in-place path ran)."]

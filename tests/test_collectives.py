@@ -175,6 +175,22 @@ class CamCollectivesCases:
                     self.pg.allreduce([t], opts_of(dist.AllreduceOptions, op)).wait()
                     self.assertTrue(same_bytes(t, reference(xs, op)), f"{dtype} {op} n {n}")
 
+    def test_direct_all_reduce(self):
+        # torch_cam.all_reduce_ skips torch.distributed's Python layer: same results, same errors.
+        for n, dtype, op in ((7, torch.float32, R.SUM), (70_001, torch.bfloat16, R.AVG), (1031, torch.int32, R.MAX)):
+            xs = self.inputs(n, dtype, seed=n)
+            t = xs[self.rank].clone()
+            self.assertIs(torch_cam.all_reduce_(t, op), t)
+            self.assertTrue(same_bytes(t, reference(xs, op)), f"{dtype} {op} n {n}")
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank \d+: cannot reduce Float tensors with BAND"):
+            torch_cam.all_reduce_(torch.ones(3), R.BAND)
+        t = torch.ones(5 if self.rank == 0 else 6)
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank \d+: .*contributes"):
+            torch_cam.all_reduce_(t)
+        t = torch.ones(4)
+        torch_cam.all_reduce_(t)  # the group is still usable
+        self.assertTrue(torch.all(t == self.world_size))
+
     def test_all_reduce_complex_through_dist(self):
         xs = self.inputs((33, 5), torch.complex64, seed=5)
         t = xs[self.rank].clone()

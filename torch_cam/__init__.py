@@ -10,11 +10,12 @@ import torch.distributed as dist
 from . import _C
 from .config import Options
 from .backend import BACKEND_NAME, create_backend, get_cam_backend
+from .direct import all_reduce_
 from .heap import empty, is_heap_tensor, zeros
 from .monitored import monitored_barrier
 
 __all__ = ["Options", "BACKEND_NAME", "get_cam_backend", "empty", "zeros", "is_heap_tensor",
-           "monitored_barrier", "__version__"]
+           "monitored_barrier", "all_reduce_", "__version__"]
 __version__ = "0.1.0"
 
 dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu"])

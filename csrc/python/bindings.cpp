@@ -40,6 +40,19 @@ PYBIND11_MODULE(_C, m) {
           "owns",
           [](cam::CamBackend& b, const at::Tensor& t) { return b.owns(t); }, py::arg("tensor"),
           "Whether the tensor's memory lies in this rank's tensor heap")
+      .def(
+          "all_reduce_",
+          [](cam::CamBackend& b, at::Tensor t, int op) {
+            // The blocking all_reduce without torch.distributed's Python layer and Work
+            // object: for latency-bound callers (tensor-parallel inference).
+            std::vector<at::Tensor> ts{t};
+            c10d::AllreduceOptions opts;
+            opts.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
+            b.allreduce(ts, opts)->wait();
+            return t;
+          },
+          py::arg("tensor"), py::arg("op"), py::call_guard<py::gil_scoped_release>(),
+          "In-place blocking all_reduce of one tensor; op is a ReduceOp code")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
