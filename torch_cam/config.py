@@ -31,6 +31,9 @@ class Options:
     #: all_reduce: one-shot (every rank reduces everything) up to this size, reduce-scatter +
     #: all-gather above.
     one_shot_max_bytes: int = 256 << 10
+    #: One-shot all_reduce up to this size is eager (input copied in with the descriptor: one
+    #: synchronisation instead of two).
+    eager_max_bytes: int = 64 << 10
     #: "auto" (by size), or force "one_shot" / "two_shot".
     allreduce_algo: str = "auto"
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that

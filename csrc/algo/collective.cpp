@@ -37,8 +37,15 @@ std::string CollectiveOp::waiting_for() const {
   if (missing_.empty()) return Op::waiting_for();
   std::string ranks;
   for (int r : missing_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  // Also in gloo's words, which tools and tests match on.
+  if (timeout_ms() == 0) {
+    return str("ranks [", ranks, "] to reach the barrier: Rank ", my_rank_,
+               " timed out in monitoredBarrier after 0 ms");
+  }
   return str("ranks [", ranks, "] to reach the barrier (", missing_.size(),
-             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived)");
+             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived): ",
+             missing_.size() == 1 ? "Rank " : "Ranks ", ranks, " failed to pass monitoredBarrier in ",
+             timeout_ms(), " ms");
 }
 
 bool CollectiveOp::step(Context& ctx) {
@@ -56,6 +63,7 @@ bool CollectiveOp::step(Context& ctx) {
   }
   if (phase_ == Phase::kExchange) {
     if (name_all_missing_) {
+      my_rank_ = ctx.rank;
       missing_.clear();
       for (int p = 0; p < ctx.world; ++p) {
         if (p != ctx.rank && signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);

@@ -57,6 +57,7 @@ class CollectiveOp : public Op {
 
  private:
   std::vector<int> missing_;
+  int my_rank_ = -1;
   enum class Phase { kPublish, kExchange, kData } phase_ = Phase::kPublish;
   int next_peer_ = 0;
 };

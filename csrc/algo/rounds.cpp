@@ -14,6 +14,7 @@ const char* rounds_mode_name(RoundsMode m) {
     case RoundsMode::kReduceScatter: return "reduce-scatter";
     case RoundsMode::kAllGather: return "all-gather";
     case RoundsMode::kGather: return "gather";
+    case RoundsMode::kAllReduceEager: return "eager one-shot";
   }
   return "unknown";
 }
@@ -35,6 +36,12 @@ void RoundsOp::fill_desc(Context& ctx, CollDesc* d) {
   d->nbytes = in_bytes_;
   d->red_op = int32_t(a_.red_op);
   d->algo = int32_t(a_.mode);
+  if (a_.mode == RoundsMode::kAllReduceEager) {
+    // Published by the descriptor's release below; see WindowLayout::eager for why the half
+    // is free.
+    kernels::copy_bytes(ctx.L.eager(ctx.me, seq()), in_, in_bytes_);
+    ctx.stats.add(ctx.stats.staged_bytes, in_bytes_);
+  }
   d->heap_off = ctx.heap_offset(in_, in_bytes_);
   if (a_.mode == RoundsMode::kReduceScatter) {
     int64_t* blocks = ctx.L.desc_send_bytes(d);
@@ -89,7 +96,7 @@ void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs)
   }
   // Zero-copy needs every input in the heap, and a mode that never writes what peers read.
   zero_copy_ = ctx.world > 1 && in_bytes_ > 0 && a_.mode != RoundsMode::kAllReduceOneShot &&
-               a_.mode != RoundsMode::kReduce;
+               a_.mode != RoundsMode::kReduce && a_.mode != RoundsMode::kAllReduceEager;
   for (int r = 0; r < ctx.world && zero_copy_; ++r) zero_copy_ = descs[r]->heap_off >= 0;
   if (zero_copy_) {
     heap_src_.assign(ctx.world, nullptr);
@@ -129,7 +136,9 @@ void RoundsOp::plan(Context& ctx) {
   nrounds_ = (*std::max_element(block_len_.begin(), block_len_.end()) + sub_ - 1) / sub_;
   // Who reads whose slots: in the root modes only the root reads, and nobody reads the root's.
   reads_ = !root_only() || me == a_.root;
-  stages_ = n > 1 && (!root_only() || me != a_.root) && !zero_copy_;
+  stages_ = n > 1 && (!root_only() || me != a_.root) && !zero_copy_ &&
+            a_.mode != RoundsMode::kAllReduceEager;
+  if (a_.mode == RoundsMode::kAllReduceEager) nrounds_ = in_bytes_ > 0 ? 1 : 0;
   srcs_.assign(n, nullptr);
 }
 
@@ -185,6 +194,12 @@ bool RoundsOp::combine(Context& ctx) {
     // In place, the output overwrites the input: stage this round before changing it.
     if (stages_ && staged_ <= k) return progress;
     const uint64_t need = stream_value(seq(), k + 1);
+    if (a_.mode == RoundsMode::kAllReduceEager) {
+      for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ : ctx.L.eager(ctx.peer(p), seq());
+      kernels::reduce(a_.input.scalar_type(), a_.red_op, out_, srcs_.data(), n, in_bytes_ / elem_, n);
+      ++combined_;
+      return true;
+    }
     for (int d = 1; d < n && !zero_copy_; ++d) {
       const int p = (me + d) % n;
       if (signal_acquire(L.produced(ctx.peer(p), p)) < need) {

@@ -2,6 +2,9 @@
 // readers combine what the others contributed, chunk by chunk.
 //
 //   all_reduce, one-shot   every rank stages its chunk; every rank reduces all N chunks
+//   all_reduce, eager      one-shot for small inputs: the input is copied into the window's
+//                          eager area before the descriptor is published, so after the
+//                          descriptor exchange every rank reduces at once (no staging signals)
 //   all_reduce, two-shot   reduce-scatter then all-gather: every rank stages N pieces (one per
 //                          rank), reduces the piece it owns into a result area of its slot and
 //                          publishes it (the `reduced` signal); every rank then copies all
@@ -38,6 +41,7 @@ enum class RoundsMode : int32_t {
   kReduceScatter,
   kAllGather,
   kGather,
+  kAllReduceEager,
 };
 const char* rounds_mode_name(RoundsMode m);
 

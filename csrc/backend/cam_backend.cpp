@@ -17,7 +17,7 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   cpu_set_t cpus;
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && size > CPU_COUNT(&cpus)) cfg.spin_us = 0;
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
-                      cfg.tensor_heap_bytes);
+                      cfg.tensor_heap_bytes, cfg.eager_max_bytes);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));
 }

@@ -95,13 +95,14 @@ kernels::RedOp CamBackend::reduction(const char* op, const c10d::ReduceOp& r,
 RoundsMode CamBackend::allreduce_mode(int64_t nbytes) const {
   const CamConfig& cfg = engine_->config();
   if (size_ == 1) return RoundsMode::kAllReduceOneShot;
+  const bool eager = nbytes <= cfg.eager_max_bytes;
   switch (cfg.allreduce_algo) {
-    case AllReduceAlgo::kOneShot: return RoundsMode::kAllReduceOneShot;
+    case AllReduceAlgo::kOneShot: return eager ? RoundsMode::kAllReduceEager : RoundsMode::kAllReduceOneShot;
     case AllReduceAlgo::kTwoShot: return RoundsMode::kAllReduceTwoShot;
     case AllReduceAlgo::kAuto: break;
   }
-  return nbytes <= cfg.one_shot_max_bytes ? RoundsMode::kAllReduceOneShot
-                                          : RoundsMode::kAllReduceTwoShot;
+  if (nbytes > cfg.one_shot_max_bytes) return RoundsMode::kAllReduceTwoShot;
+  return eager ? RoundsMode::kAllReduceEager : RoundsMode::kAllReduceOneShot;
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::launch_rounds(const char* op, CollKind kind,
@@ -430,7 +431,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
 }
 
 void CamBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  auto dl = deadline(opts.timeout);
+  // A zero timeout means "now" here (gloo's semantics), not "the group's default".
+  auto dl = opts.timeout.count() == 0 ? Clock::now() : deadline(opts.timeout);
   auto work = launch_collective(
       [&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl, /*name_all_missing=*/true); },
       c10d::OpType::BARRIER, "cam:monitored_barrier", {});

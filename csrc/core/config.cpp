@@ -32,6 +32,7 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
     else if (key == "progress_interval_us") c.progress_interval_us = as_int();
     else if (key == "one_shot_max_bytes") c.one_shot_max_bytes = as_int();
     else if (key == "tensor_heap_bytes") c.tensor_heap_bytes = as_int();
+    else if (key == "eager_max_bytes") c.eager_max_bytes = as_int();
     else if (key == "allreduce_algo") {
       if (value == "auto") c.allreduce_algo = AllReduceAlgo::kAuto;
       else if (value == "one_shot") c.allreduce_algo = AllReduceAlgo::kOneShot;
@@ -75,6 +76,8 @@ void CamConfig::validate(int world_size) const {
               int64_t(world_size) * 8192 * 2 + 65536, " bytes");
   TORCH_CHECK(tensor_heap_bytes >= 0 && tensor_heap_bytes <= (1ll << 44),
               "cam option tensor_heap_bytes: expected 0..16 TiB, got ", tensor_heap_bytes);
+  TORCH_CHECK(eager_max_bytes >= 0 && eager_max_bytes <= (16ll << 20),
+              "cam option eager_max_bytes: expected 0..16 MiB, got ", eager_max_bytes);
   TORCH_CHECK(one_shot_max_bytes >= 0, "cam option one_shot_max_bytes: expected >= 0, got ",
               one_shot_max_bytes);
   TORCH_CHECK(spin_us >= 0 && yield_us >= spin_us && sleep_max_us >= 1,
@@ -89,7 +92,7 @@ std::string CamConfig::to_string() const {
   std::ostringstream os;
   os << "window_bytes=" << window_bytes << " p2p_fraction=" << p2p_fraction
      << " chunk_bytes=" << chunk_bytes << " single_copy_bytes=" << single_copy_bytes
-     << " tensor_heap_bytes=" << tensor_heap_bytes << " one_shot_max_bytes=" << one_shot_max_bytes << " allreduce_algo="
+     << " tensor_heap_bytes=" << tensor_heap_bytes << " eager_max_bytes=" << eager_max_bytes << " one_shot_max_bytes=" << one_shot_max_bytes << " allreduce_algo="
      << (allreduce_algo == AllReduceAlgo::kAuto ? "auto"
          : allreduce_algo == AllReduceAlgo::kOneShot ? "one_shot" : "two_shot")
      << " spin_us=" << spin_us << " yield_us=" << yield_us

@@ -35,6 +35,9 @@ struct CamConfig {
   // this many bytes, reduce-scatter + all-gather (each rank reduces 1/N; two) above.
   int64_t one_shot_max_bytes = 256ll << 10;
   AllReduceAlgo allreduce_algo = AllReduceAlgo::kAuto;
+  // One-shot all_reduce up to this size goes eager: the input is copied into the window before
+  // the descriptor is published, so the descriptor exchange is the only synchronisation.
+  int64_t eager_max_bytes = 64ll << 10;
   // Wait policy tiers, measured from the start of one wait: pause-spin, then sched_yield, then
   // sleeps growing up to sleep_max_us.
   int64_t spin_us = 5;

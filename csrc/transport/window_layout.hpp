@@ -3,6 +3,7 @@
 //
 //   [control area]  header, error report, collective descriptors, stream counters,
 //                   p2p head/tail counters, p2p acknowledgement slots
+//   [eager area]    two halves (by collective parity) for small all_reduce inputs
 //   [p2p outboxes]  one byte ring per destination rank, written only by the owner
 //   [coll region]   staging area of collectives, written only by the owner
 //   [tensor arena]  heap-resident tensors of the owner (torch_cam.empty), which peers read in
@@ -70,7 +71,8 @@ enum AckStatus : int32_t { kAckOk = 0, kAckSizeMismatch = 1 };
 
 class WindowLayout {
  public:
-  WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes, int64_t arena_bytes);
+  WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes, int64_t arena_bytes,
+               int64_t eager_bytes);
 
   int world_size() const { return n_; }
   size_t control_bytes() const { return control_bytes_; }
@@ -112,16 +114,21 @@ class WindowLayout {
   char* p2p_ring(char* w, int dst) const { return w + off_p2p_ + size_t(dst) * p2p_ring_; }
   char* coll_region(char* w) const { return w + off_coll_; }
   char* arena(char* w) const { return w + off_arena_; }
+  // Eager all_reduce: collective seq's input, written before its descriptor is published. Two
+  // halves by seq parity: a rank that completed seq - 1 saw every descriptor of seq - 1, so
+  // every peer has finished seq - 2, the last reader of this half.
+  int64_t eager_bytes() const { return eager_bytes_; }
+  char* eager(char* w, uint64_t seq) const { return w + off_eager_ + (seq & 1) * eager_bytes_; }
 
  private:
   uint64_t& line(char* w, size_t off, int i) const {
     return reinterpret_cast<SignalLine*>(w + off)[i].value;
   }
   int n_;
-  int64_t p2p_ring_, coll_bytes_, arena_bytes_;
+  int64_t p2p_ring_, coll_bytes_, arena_bytes_, eager_bytes_;
   size_t desc_slot_;
   size_t off_error_, off_desc_seq_, off_desc_, off_produced_, off_consumed_, off_reduced_, off_p2p_head_,
-      off_p2p_tail_, off_ack_, off_p2p_, off_coll_, off_arena_;
+      off_p2p_tail_, off_ack_, off_eager_, off_p2p_, off_coll_, off_arena_;
   size_t control_bytes_, total_bytes_;
 };
 
