@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "isa.hpp"
+
 namespace cam::kernels {
 
 // The per-ISA builds of reduce_kernel.cpp (see CMakeLists.txt).
@@ -13,27 +15,14 @@ namespace generic { void reduce(c10::ScalarType, RedOp, void*, const void* const
 
 namespace {
 using ReduceFn = void (*)(c10::ScalarType, RedOp, void*, const void* const*, int, int64_t, int64_t);
-struct Choice {
-  ReduceFn fn;
-  const char* isa;
-};
-Choice pick() {
+ReduceFn pick() {
+  switch (isa()) {
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return {&avx512::reduce, "avx512"};
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return {&avx2::reduce, "avx2"};
-  }
+    case Isa::kAvx512: return &avx512::reduce;
+    case Isa::kAvx2: return &avx2::reduce;
 #endif
-  return {&generic::reduce, "default"};
-}
-const Choice& choice() {
-  static const Choice c = pick();
-  return c;
+    default: return &generic::reduce;
+  }
 }
 }  // namespace
 
@@ -81,9 +70,10 @@ const char* reduce_unsupported(c10::ScalarType t, RedOp op) {
 
 void reduce(c10::ScalarType dtype, RedOp op, void* dst, const void* const* srcs, int nsrc,
             int64_t numel, int64_t divisor) {
-  if (numel > 0) choice().fn(dtype, op, dst, srcs, nsrc, numel, divisor);
+  static const ReduceFn fn = pick();
+  if (numel > 0) fn(dtype, op, dst, srcs, nsrc, numel, divisor);
 }
 
-const char* reduce_isa() { return choice().isa; }
+const char* reduce_isa() { return isa_name(isa()); }
 
 }  // namespace cam::kernels
