@@ -15,6 +15,8 @@ const char* coll_kind_name(CollKind k) {
     case CollKind::kGather: return "gather";
     case CollKind::kReduceScatter: return "reduce_scatter";
     case CollKind::kScatter: return "scatter";
+    case CollKind::kMoeDispatch: return "moe_dispatch";
+    case CollKind::kMoeCombine: return "moe_combine";
   }
   return "unknown collective";
 }

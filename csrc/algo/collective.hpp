@@ -23,6 +23,8 @@ enum class CollKind : int32_t {
   kGather,
   kReduceScatter,
   kScatter,
+  kMoeDispatch,
+  kMoeCombine,
 };
 const char* coll_kind_name(CollKind k);
 

@@ -43,7 +43,8 @@ std::map<std::string, int64_t> CamBackend::stats() const {
           {"direct_read_bytes", int64_t(s.direct_read_bytes.load())},
           {"heap_read_bytes", int64_t(s.heap_read_bytes.load())},
           {"tensor_heap_bytes", engine_->heap().arena()->capacity()},
-          {"tensor_heap_in_use", engine_->heap().arena()->bytes_in_use()}};
+          {"tensor_heap_in_use", engine_->heap().arena()->bytes_in_use()},
+          {"moe_stage_bytes", moe_stage_bytes()}};
 }
 
 at::Tensor CamBackend::empty(at::IntArrayRef sizes, at::ScalarType dtype) {

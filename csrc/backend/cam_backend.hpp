@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "../algo/rounds.hpp"
+#include "../moe/moe_ops.hpp"
 #include "cam_work.hpp"
 #include "engine.hpp"
 
@@ -98,6 +99,11 @@ class CamBackend : public c10d::Backend {
   bool supportsTensorAlloc(c10::DeviceIndex) override { return true; }
   at::Tensor allocateTensor(long size, at::TensorOptions options) override;
 
+  // MoE expert-parallel dispatch / combine over this group (moe.cpp, csrc/moe/).
+  c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> moe_combine(MoeCombineArgs args, std::chrono::milliseconds timeout);
+  int64_t moe_stage_bytes() const;
+
  private:
   Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
   const at::Tensor& single_tensor(const char* op, std::vector<at::Tensor>& tensors) const;
@@ -125,9 +131,12 @@ class CamBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch_collective(MakeOp make, c10d::OpType type,
                                                    const char* title, std::vector<at::Tensor> inputs);
 
+  MoeStage& moe_stage();
+
   std::shared_ptr<Engine> engine_;
+  std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)
   std::string group_id_;
-  std::mutex issue_mu_;
+  mutable std::mutex issue_mu_;
   uint64_t coll_seq_ = 0;
   bool coalescing_ = false;  // guarded by issue_mu_
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;

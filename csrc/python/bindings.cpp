@@ -53,6 +53,71 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tensor"), py::arg("op"), py::call_guard<py::gil_scoped_release>(),
           "In-place blocking all_reduce of one tensor; op is a ReduceOp code")
+      .def(
+          "moe_dispatch",
+          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor ids,
+             std::optional<at::Tensor> weights, std::optional<at::Tensor> aux, at::Tensor token_active,
+             std::optional<at::Tensor> smooth, int64_t smooth_shift, int64_t num_experts,
+             int64_t shared_ranks, int64_t experts_per_rank, bool quant, int64_t slab_rows,
+             int64_t max_tokens, at::Tensor out_rows, std::optional<at::Tensor> out_scales,
+             std::optional<at::Tensor> out_weights, std::optional<at::Tensor> out_info,
+             int64_t info_stride, std::optional<at::Tensor> out_aux, at::Tensor out_counts,
+             double timeout_s) {
+            cam::MoeDispatchArgs a;
+            a.error = error;
+            a.rows = rows;
+            a.ids = ids;
+            a.weights = weights.value_or(at::Tensor());
+            a.aux = aux.value_or(at::Tensor());
+            a.token_active = token_active;
+            a.smooth = smooth.value_or(at::Tensor());
+            a.smooth_shift = smooth_shift;
+            a.num_experts = num_experts;
+            a.shared_ranks = int32_t(shared_ranks);
+            a.experts_per_rank = int32_t(experts_per_rank);
+            a.quant = quant;
+            a.slab_rows = slab_rows;
+            a.max_tokens = max_tokens;
+            a.out_rows = out_rows;
+            a.out_scales = out_scales.value_or(at::Tensor());
+            a.out_weights = out_weights.value_or(at::Tensor());
+            a.out_info = out_info.value_or(at::Tensor());
+            a.info_stride = info_stride;
+            a.out_aux = out_aux.value_or(at::Tensor());
+            a.out_counts = out_counts;
+            return b.moe_dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
+          },
+          py::arg("error"), py::arg("rows"), py::arg("ids"), py::arg("weights"), py::arg("aux"),
+          py::arg("token_active"), py::arg("smooth"), py::arg("smooth_shift"), py::arg("num_experts"),
+          py::arg("shared_ranks"), py::arg("experts_per_rank"), py::arg("quant"), py::arg("slab_rows"),
+          py::arg("max_tokens"), py::arg("out_rows"), py::arg("out_scales"), py::arg("out_weights"),
+          py::arg("out_info"), py::arg("info_stride"), py::arg("out_aux"), py::arg("out_counts"),
+          py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+          "MoE dispatch (see torch_cam/moe.py); returns a Work")
+      .def(
+          "moe_combine",
+          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor seg_base,
+             bool quant, at::Tensor plan_peer, at::Tensor plan_seg, at::Tensor plan_off,
+             std::optional<at::Tensor> plan_weight, std::optional<at::Tensor> add, bool add_first,
+             at::Tensor out, double timeout_s) {
+            cam::MoeCombineArgs a;
+            a.error = error;
+            a.rows = rows;
+            a.seg_base = seg_base;
+            a.quant = quant;
+            a.plan_peer = plan_peer;
+            a.plan_seg = plan_seg;
+            a.plan_off = plan_off;
+            a.plan_weight = plan_weight.value_or(at::Tensor());
+            a.add = add.value_or(at::Tensor());
+            a.add_first = add_first;
+            a.out = out;
+            return b.moe_combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
+          },
+          py::arg("error"), py::arg("rows"), py::arg("seg_base"), py::arg("quant"), py::arg("plan_peer"),
+          py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
+          py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+          "MoE combine (see torch_cam/moe.py); returns a Work")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,

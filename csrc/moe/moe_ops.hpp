@@ -1,0 +1,121 @@
+// MoE expert-parallel dispatch and combine as collectives of a cam group.
+//
+// Both are pull-based and take one synchronisation each: a rank writes everything its peers
+// will read into its MoeStage half (the "counts phase" is part of it: the routing in CSR form,
+// experts x entries) and only then publishes its collective descriptor; once it has seen every
+// peer's descriptor it validates all headers (so bad input anywhere fails on every rank, before
+// any row moves) and copies the rows it receives straight from the peers' stages to their final
+// place in its outputs, quantizing or weighting inside that copy.
+//
+//   dispatch  sender stages its token rows once (not once per expert), its routing and
+//             weights; receiver d walks (local expert j, source rank, source token order) and
+//             pulls each routed row to its position (compact, or per-expert slabs), int8
+//             quantization with per-expert smooth scales fused into the pull
+//   combine   each rank stages the rows it computed (optionally int8-quantized for transport)
+//             and a table of segment bases; a token owner pulls the rows its plan names
+//             (peer, segment, offset, weight), accumulates w * row in fp32 and rounds once
+//
+// Rows a rank passes that already live in its tensor heap (torch_cam.empty) are read in place
+// instead of being staged; such a rank then waits until every peer has finished reading them.
+#pragma once
+
+#include "../algo/collective.hpp"
+#include "moe_stage.hpp"
+
+namespace cam {
+
+constexpr size_t kMoeErrorBytes = 512;
+
+// What both ops share: the error a rank publishes for its own bad input, and the release
+// protocol of rows read in place.
+class MoeOp : public CollectiveOp {
+ public:
+  using CollectiveOp::CollectiveOp;
+
+ protected:
+  // Copies this rank's input error (if any) into the header text; returns whether there was one.
+  static bool publish_error(const std::string& error, char* text);
+  // Refuses when any rank published an input error.
+  void check_errors(Context& ctx, const std::vector<const char*>& texts);
+  // After pulling: tell every peer; a rank whose rows were read in place is done only once
+  // every peer has said so (the caller may overwrite them as soon as the op completes).
+  bool release_and_wait(Context& ctx);
+  bool in_place_ = false;
+
+ private:
+  bool released_ = false;
+  int next_reader_ = 0;
+};
+
+struct MoeDispatchArgs {
+  std::string error;          // non-empty: this rank's input is invalid; every rank raises it
+  at::Tensor rows;            // (T, width) contiguous: the token rows (x, or its raw bytes)
+  at::Tensor ids;             // (T, K) int32 contiguous: routed ids, -1 = not sent
+  at::Tensor weights;         // (T, K) float32, or undefined
+  at::Tensor aux;             // (T, aux_bytes) uint8, or undefined: copied with every row
+  at::Tensor token_active;    // (T,) bool: tokens that go to shared-expert ranks
+  at::Tensor smooth;          // (n, H) float32 smooth scales (quant), or undefined
+  int64_t smooth_shift = 0;   // smooth row of routed expert e is e + shift (shared: row 0)
+  int64_t num_experts = 0;    // routed id space M
+  int32_t shared_ranks = 0;   // S: ranks 0..S-1 host the shared expert
+  int32_t experts_per_rank = 1;
+  bool quant = false;         // dynamic per-row int8
+  int64_t slab_rows = 0;      // > 0: local expert j's rows start at j * slab_rows
+  int64_t max_tokens = 0;     // > 0: every rank's T is at most this; 0: all ranks' T equal; < 0: free
+  // Outputs (capacity rows each).
+  at::Tensor out_rows;        // (cap, width) rows dtype, or (cap, H) int8 when quant
+  at::Tensor out_scales;      // (cap,) float32 when quant
+  at::Tensor out_weights;     // (cap,) float32 or undefined (routing weight of each row)
+  at::Tensor out_info;        // (cap * info_stride,) int32 or undefined: [src, token, k]
+  int64_t info_stride = 3;
+  at::Tensor out_aux;         // (cap, aux_bytes) uint8 or undefined
+  at::Tensor out_counts;      // (W * local experts,) int32: inclusive running sums
+};
+
+class MoeDispatchOp final : public MoeOp {
+ public:
+  MoeDispatchOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage, MoeDispatchArgs args);
+
+ protected:
+  void fill_desc(Context& ctx, CollDesc* d) override;
+  void validate(Context& ctx, const std::vector<const CollDesc*>& descs) override;
+  bool data_step(Context& ctx) override;
+
+ private:
+  MoeStage* stage_;
+  MoeDispatchArgs a_;
+  std::vector<const struct MoeDispatchHeader*> peers_;
+  bool pulled_ = false;
+};
+
+struct MoeCombineArgs {
+  std::string error;
+  at::Tensor rows;            // (n, H) float32/bf16/fp16 contiguous: the rows this rank serves
+  at::Tensor seg_base;        // (nseg,) int64: first row of each segment of `rows`
+  bool quant = false;         // stage rows as int8 + scale (transport quantization)
+  at::Tensor plan_peer;       // (T, P) int32: rank holding the row, -1 = none
+  at::Tensor plan_seg;        // (T, P) int32: segment at that rank
+  at::Tensor plan_off;        // (T, P) int64: row within the segment
+  at::Tensor plan_weight;     // (T, P) float32, or undefined (weight 1)
+  at::Tensor add;             // (T, H) float32 or out dtype, or undefined: added unweighted
+  bool add_first = false;     // add before the pulled rows (else after them)
+  at::Tensor out;             // (T, H) float32/bf16/fp16
+};
+
+class MoeCombineOp final : public MoeOp {
+ public:
+  MoeCombineOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage, MoeCombineArgs args);
+
+ protected:
+  void fill_desc(Context& ctx, CollDesc* d) override;
+  void validate(Context& ctx, const std::vector<const CollDesc*>& descs) override;
+  bool data_step(Context& ctx) override;
+
+ private:
+  MoeStage* stage_;
+  MoeCombineArgs a_;
+  std::vector<const struct MoeCombineHeader*> peers_;
+  bool pulled_ = false;
+};
+
+}  // namespace cam
