@@ -9,10 +9,8 @@ namespace cam::kernels {
   namespace ns {                                                                          \
   void quantize_row_int8(c10::ScalarType, const void*, const float*, int64_t, int8_t*,    \
                          float*);                                                         \
-  void load_row(c10::ScalarType, float*, const void*, int64_t);                           \
-  void accumulate_row(c10::ScalarType, float*, const void*, float, int64_t);              \
-  void accumulate_row_int8(float*, const int8_t*, float, float, int64_t);                 \
-  void store_row(c10::ScalarType, void*, const float*, int64_t);                          \
+  void weighted_sum_row(const WeightedRows&, c10::ScalarType, const void*, bool,          \
+                        c10::ScalarType, void*, int64_t);                                 \
   }
 #if defined(__x86_64__)
 CAM_MOE_ROWS_DECLARE(avx512)
@@ -40,17 +38,9 @@ void quantize_row_int8(c10::ScalarType dtype, const void* src, const float* smoo
                        int8_t* q, float* scale) {
   CAM_MOE_ROWS_CALL(quantize_row_int8, dtype, src, smooth, n, q, scale)
 }
-void load_row(c10::ScalarType dtype, float* acc, const void* src, int64_t n) {
-  CAM_MOE_ROWS_CALL(load_row, dtype, acc, src, n)
-}
-void accumulate_row(c10::ScalarType dtype, float* acc, const void* src, float w, int64_t n) {
-  CAM_MOE_ROWS_CALL(accumulate_row, dtype, acc, src, w, n)
-}
-void accumulate_row_int8(float* acc, const int8_t* q, float scale, float w, int64_t n) {
-  CAM_MOE_ROWS_CALL(accumulate_row_int8, acc, q, scale, w, n)
-}
-void store_row(c10::ScalarType dtype, void* dst, const float* acc, int64_t n) {
-  CAM_MOE_ROWS_CALL(store_row, dtype, dst, acc, n)
+void weighted_sum_row(const WeightedRows& src, c10::ScalarType add_dtype, const void* add,
+                      bool add_first, c10::ScalarType out_dtype, void* out, int64_t n) {
+  CAM_MOE_ROWS_CALL(weighted_sum_row, src, add_dtype, add, add_first, out_dtype, out, n)
 }
 #undef CAM_MOE_ROWS_CALL
 

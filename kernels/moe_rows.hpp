@@ -1,8 +1,7 @@
 // Row kernels of MoE dispatch and combine: the only arithmetic those ops do.
 //   quantize_row_int8   dynamic per-row int8 (optionally after a smooth-scale multiply),
 //                       fused into the copy of a row to its destination
-//   load_row / accumulate_row(_int8) / store_row
-//                       the fp32 weighted sum of combine: acc = init; acc += w * row; out = acc
+//   weighted_sum_row    the fp32 weighted sum of combine, all of a token's rows in one pass
 // Rows are float32, bfloat16 or float16. Every step rounds exactly as the pure-PyTorch
 // reference does (float32 multiply, then add; no fused multiply-add), so results match it bit
 // for bit. Built once per ISA like the reduction kernels, chosen at load time.
@@ -21,13 +20,19 @@ bool moe_row_dtype_supported(c10::ScalarType dtype);
 // *scale = m / 127; an all-zero row gives q = 0 and scale 0.
 void quantize_row_int8(c10::ScalarType dtype, const void* src, const float* smooth, int64_t n,
                        int8_t* q, float* scale);
-// acc = float(src)
-void load_row(c10::ScalarType dtype, float* acc, const void* src, int64_t n);
-// acc += w * float(src)
-void accumulate_row(c10::ScalarType dtype, float* acc, const void* src, float w, int64_t n);
-// acc += w * (float(q) * scale)
-void accumulate_row_int8(float* acc, const int8_t* q, float scale, float w, int64_t n);
-// dst = acc rounded to dtype
-void store_row(c10::ScalarType dtype, void* dst, const float* acc, int64_t n);
+// One token of combine in one pass over memory: out = round(acc) with
+//   acc = (add_first ? float(add) : 0) + w[0] * row[0] + ... + w[k-1] * row[k-1] (+ float(add))
+// summed left to right exactly as the row-at-a-time kernels above would (same bits), but each
+// element of acc stays in a register instead of making k round trips through memory.
+// Source s is float32/bf16/fp16 (dtypes[s]) or int8 (kChar) dequantized as q * scales[s].
+struct WeightedRows {
+  const void* const* rows;
+  const c10::ScalarType* dtypes;
+  const float* weights;
+  const float* scales;  // per source, int8 sources only
+  int count;
+};
+void weighted_sum_row(const WeightedRows& src, c10::ScalarType add_dtype, const void* add,
+                      bool add_first, c10::ScalarType out_dtype, void* out, int64_t n);
 
 }  // namespace cam::kernels

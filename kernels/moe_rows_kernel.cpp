@@ -5,6 +5,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "moe_rows.hpp"
@@ -56,42 +57,6 @@ void load_row_t(float* acc, const T* src, int64_t n) {
       lo.store(acc + i, std::min<int64_t>(c, F::size()));
       if (c > F::size()) hi.store(acc + i + F::size(), c - F::size());
     });
-  }
-}
-
-template <typename T>
-void accumulate_row_t(float* acc, const T* src, float w, int64_t n) {
-  const F wv(w);
-  if constexpr (std::is_same_v<T, float>) {
-    for_each_float(src, n, [&](int64_t i, int64_t c, const F& v, const F&) {
-      (load<F>(acc + i, c) + wv * v).store(acc + i, c);
-    });
-  } else {
-    for_each_float(src, n, [&](int64_t i, int64_t c, const F& lo, const F& hi) {
-      const int64_t c0 = std::min<int64_t>(c, F::size());
-      (load<F>(acc + i, c0) + wv * lo).store(acc + i, c0);
-      if (c > F::size()) {
-        const int64_t c1 = c - F::size();
-        (load<F>(acc + i + F::size(), c1) + wv * hi).store(acc + i + F::size(), c1);
-      }
-    });
-  }
-}
-
-template <typename T>
-void store_row_t(T* dst, const float* acc, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, acc, size_t(n) * sizeof(float));
-  } else {
-    using V = Vectorized<T>;
-    constexpr int64_t W = V::size();
-    for (int64_t i = 0; i < n; i += W) {
-      const int64_t c = std::min<int64_t>(W, n - i);
-      const int64_t c0 = std::min<int64_t>(c, F::size());
-      F lo = load<F>(acc + i, c0);
-      F hi = c > F::size() ? load<F>(acc + i + F::size(), c - F::size()) : F(0.f);
-      at::vec::convert_from_float<T>(lo, hi).store(dst + i, c);
-    }
   }
 }
 
@@ -149,45 +114,93 @@ template <typename T>
 void quantize_dispatch(const void* src, const float* smooth, int64_t n, int8_t* q, float* scale) {
   quantize_row_t(static_cast<const T*>(src), smooth, n, q, scale);
 }
-template <typename T>
-void load_dispatch(float* acc, const void* src, int64_t n) {
-  load_row_t(acc, static_cast<const T*>(src), n);
-}
-template <typename T>
-void accumulate_dispatch(float* acc, const void* src, float w, int64_t n) {
-  accumulate_row_t(acc, static_cast<const T*>(src), w, n);
-}
-template <typename T>
-void store_dispatch(void* dst, const float* acc, int64_t n) {
-  store_row_t(static_cast<T*>(dst), acc, n);
-}
 }  // namespace
 
 void quantize_row_int8(c10::ScalarType dtype, const void* src, const float* smooth, int64_t n,
                        int8_t* q, float* scale) {
   CAM_ROW_DTYPES(quantize_dispatch, src, smooth, n, q, scale)
 }
-void load_row(c10::ScalarType dtype, float* acc, const void* src, int64_t n) {
-  CAM_ROW_DTYPES(load_dispatch, acc, src, n)
-}
-void accumulate_row(c10::ScalarType dtype, float* acc, const void* src, float w, int64_t n) {
-  CAM_ROW_DTYPES(accumulate_dispatch, acc, src, w, n)
-}
-void store_row(c10::ScalarType dtype, void* dst, const float* acc, int64_t n) {
-  CAM_ROW_DTYPES(store_dispatch, dst, acc, n)
-}
 #undef CAM_ROW_DTYPES
 
-void accumulate_row_int8(float* acc, const int8_t* q, float scale, float w, int64_t n) {
-  // w * (float(q) * scale), rounded as the reference's dequantize-then-weight.
-  const F wv(w), sv(scale);
+namespace {
+// Elements [i, i + c) of a row as two fp32 vectors (c <= 2 * F::size(); lanes past c are 0).
+inline void load_pair(c10::ScalarType dtype, const void* row, float scale, int64_t i, int64_t c,
+                      F& lo, F& hi) {
   constexpr int64_t W = F::size();
-  float lanes[W];
-  for (int64_t i = 0; i < n; i += W) {
-    const int64_t c = std::min<int64_t>(W, n - i);
-    for (int64_t l = 0; l < c; ++l) lanes[l] = float(q[i + l]);
-    F deq = load<F>(lanes, c) * sv;
-    (load<F>(acc + i, c) + wv * deq).store(acc + i, c);
+  const int64_t c0 = std::min<int64_t>(c, W), c1 = c - c0;
+  switch (dtype) {
+    case c10::ScalarType::Float: {
+      const float* p = static_cast<const float*>(row) + i;
+      lo = load<F>(p, c0);
+      hi = c1 > 0 ? load<F>(p + W, c1) : F(0.f);
+      return;
+    }
+    case c10::ScalarType::BFloat16: {
+      using V = Vectorized<c10::BFloat16>;
+      static_assert(V::size() == 2 * W);
+      std::tie(lo, hi) = at::vec::convert_to_float<c10::BFloat16>(
+          load<V>(static_cast<const c10::BFloat16*>(row) + i, c));
+      return;
+    }
+    case c10::ScalarType::Half: {
+      using V = Vectorized<c10::Half>;
+      static_assert(V::size() == 2 * W);
+      std::tie(lo, hi) = at::vec::convert_to_float<c10::Half>(load<V>(static_cast<const c10::Half*>(row) + i, c));
+      return;
+    }
+    case c10::ScalarType::Char: {
+      const int8_t* q = static_cast<const int8_t*>(row) + i;
+      float lanes[2 * W] = {};
+      for (int64_t l = 0; l < c; ++l) lanes[l] = float(q[l]);
+      const F sv(scale);
+      lo = F::loadu(lanes) * sv;
+      hi = F::loadu(lanes + W) * sv;
+      return;
+    }
+    default: TORCH_INTERNAL_ASSERT(false, "cam moe weighted_sum_row: unsupported dtype ", dtype);
+  }
+}
+
+inline void store_pair(c10::ScalarType dtype, void* out, int64_t i, int64_t c, const F& lo, const F& hi) {
+  constexpr int64_t W = F::size();
+  const int64_t c0 = std::min<int64_t>(c, W), c1 = c - c0;
+  switch (dtype) {
+    case c10::ScalarType::Float: {
+      float* p = static_cast<float*>(out) + i;
+      lo.store(p, c0);
+      if (c1 > 0) hi.store(p + W, c1);
+      return;
+    }
+    case c10::ScalarType::BFloat16:
+      at::vec::convert_from_float<c10::BFloat16>(lo, hi).store(static_cast<c10::BFloat16*>(out) + i, c);
+      return;
+    case c10::ScalarType::Half:
+      at::vec::convert_from_float<c10::Half>(lo, hi).store(static_cast<c10::Half*>(out) + i, c);
+      return;
+    default: TORCH_INTERNAL_ASSERT(false, "cam moe weighted_sum_row: unsupported output dtype ", dtype);
+  }
+}
+}  // namespace
+
+void weighted_sum_row(const WeightedRows& src, c10::ScalarType add_dtype, const void* add,
+                      bool add_first, c10::ScalarType out_dtype, void* out, int64_t n) {
+  constexpr int64_t B = 2 * F::size();
+  for (int64_t i = 0; i < n; i += B) {
+    const int64_t c = std::min<int64_t>(B, n - i);
+    F lo(0.f), hi(0.f), xlo, xhi;
+    if (add != nullptr && add_first) load_pair(add_dtype, add, 1.f, i, c, lo, hi);
+    for (int s = 0; s < src.count; ++s) {
+      load_pair(src.dtypes[s], src.rows[s], src.scales != nullptr ? src.scales[s] : 1.f, i, c, xlo, xhi);
+      const F w(src.weights[s]);
+      lo = lo + w * xlo;
+      hi = hi + w * xhi;
+    }
+    if (add != nullptr && !add_first) {
+      load_pair(add_dtype, add, 1.f, i, c, xlo, xhi);
+      lo = lo + xlo;
+      hi = hi + xhi;
+    }
+    store_pair(out_dtype, out, i, c, lo, hi);
   }
 }
 

@@ -126,31 +126,27 @@ bool MoeCombineOp::data_step(Context& ctx) {
     const auto add_dtype = add ? a_.add.scalar_type() : out_dtype;
     const int64_t add_row = H * int64_t(c10::elementSize(add_dtype));
     const int64_t out_row = H * int64_t(c10::elementSize(out_dtype));
-    thread_local std::vector<float> acc_buf;
-    if (int64_t(acc_buf.size()) < H) acc_buf.resize(size_t(H));
-    float* acc = acc_buf.data();
+    std::vector<const void*> rows(static_cast<size_t>(P));
+    std::vector<c10::ScalarType> dtypes(static_cast<size_t>(P));
+    std::vector<float> weights(static_cast<size_t>(P)), scales(static_cast<size_t>(P));
     int64_t moved = 0;
     for (int64_t t = 0; t < T; ++t) {
-      if (add && a_.add_first) kernels::load_row(add_dtype, acc, add + t * add_row, H);
-      else std::fill(acc, acc + H, 0.f);
+      kernels::WeightedRows src{rows.data(), dtypes.data(), weights.data(), scales.data(), 0};
       for (int64_t s = 0; s < P; ++s) {
         const int64_t i = t * P + s;
         const int p = peer[i];
         if (p < 0) continue;
         const MoeCombineHeader& h = *peers_[p];
         const int64_t row = reinterpret_cast<const int64_t*>(ctx.peer_heap(p, h.seg_off))[seg[i]] + off[i];
-        const char* src = ctx.peer_heap(p, h.rows_off) + row * h.row_bytes;
-        const float w = weight ? weight[i] : 1.f;
-        if (h.quant) {
-          const float scale = reinterpret_cast<const float*>(ctx.peer_heap(p, h.scales_off))[row];
-          kernels::accumulate_row_int8(acc, reinterpret_cast<const int8_t*>(src), scale, w, H);
-        } else {
-          kernels::accumulate_row(c10::ScalarType(h.row_dtype), acc, src, w, H);
-        }
+        const int k = src.count++;
+        rows[k] = ctx.peer_heap(p, h.rows_off) + row * h.row_bytes;
+        dtypes[k] = h.quant ? at::kChar : c10::ScalarType(h.row_dtype);
+        scales[k] = h.quant ? reinterpret_cast<const float*>(ctx.peer_heap(p, h.scales_off))[row] : 1.f;
+        weights[k] = weight ? weight[i] : 1.f;
         moved += h.row_bytes;
       }
-      if (add && !a_.add_first) kernels::accumulate_row(add_dtype, acc, add + t * add_row, 1.f, H);
-      kernels::store_row(out_dtype, out + t * out_row, acc, H);
+      kernels::weighted_sum_row(src, add_dtype, add ? add + t * add_row : nullptr, a_.add_first, out_dtype,
+                                out + t * out_row, H);
     }
     ctx.stats.add(ctx.stats.heap_read_bytes, moved);
     pulled_ = true;

@@ -206,8 +206,9 @@ void MoeDispatchOp::validate(Context& ctx, const std::vector<const CollDesc*>& d
                       "* ep_world_size"));
     }
     if (p.max_tokens > 0 && p.tokens > p.max_tokens) {
-      refuse(ctx, str(who(r), " has ", p.tokens, " tokens but global_bs allows at most ", p.max_tokens,
-                      " per rank (global_bs / ep_world_size)"));
+      refuse(ctx, str(who(r), " has ", p.tokens, " tokens, more than the ", p.max_tokens,
+                      " per rank the outputs are sized for (global_bs / ep_world_size, or "
+                      "num_max_dispatch_tokens_per_rank)"));
     }
     if (p.bad_kind != kRoutingOk) {
       refuse(ctx, str(who(r), ": expert_ids[", p.bad_token, ", ", p.bad_slot, "] = ", p.bad_value,
