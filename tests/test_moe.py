@@ -5,8 +5,11 @@ Every rank rebuilds every rank's inputs from a seed, runs the reference for the 
 and checks its own outputs: unquantized dispatch bit for bit, int8 dispatch bit for bit too
 (both sides round the same way), combine bit for bit where the accumulation order is the
 reference's and within a tight tolerance where it is not (special experts)."""
+import gc
 import os
+import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -17,6 +20,7 @@ from torch.testing._internal.common_utils import run_tests
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_cam  # noqa: E402
 from torch_cam import moe_reference as ref  # noqa: E402
+from cam_testing import CamProcessGroupCase  # noqa: E402
 
 H = 48
 
@@ -48,24 +52,9 @@ def expert_fn(rows: torch.Tensor, rank: int) -> torch.Tensor:
     return (rows.float() * 0.5 + (rank + 1) * 0.25).to(rows.dtype)
 
 
-class MoeCases:
+class MoeCases(CamProcessGroupCase):
     timeout = timedelta(seconds=180)
-
-    @classmethod
-    def backend_str(cls):
-        return "cam"
-
-    @classmethod
-    def opts(cls, high_priority_stream=False):
-        return {"window_bytes": 1 << 20}
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
-    @property
-    def pg(self):
-        return dist.distributed_c10d._get_default_group()
+    cam_options = {"window_bytes": 1 << 20}
 
     # ---- one case: all ranks' inputs, cam on this rank, reference for all ----
     def run_case(self, *, M, K, dtype=torch.bfloat16, bss=None, S=0, quant=0, smooth=False,
@@ -284,6 +273,39 @@ class MoeCases:
 
 class Moe2(MoeCases, MultiProcContinuousTest):
     world_size = 2
+
+
+    def test_last_op_then_destroy(self):
+        """A rank that finishes the group's last MoE op and destroys the group at once must not
+        take the rows a slower peer is still reading with it. Rank 0 is frozen (SIGSTOP) after
+        publishing its combine; rank 1 completes its own, destroys the group, then thaws rank 0,
+        which only then reads rank 1's rows."""
+        W, r = self.world_size, self.rank
+        pids = [None] * W
+        dist.all_gather_object(pids, os.getpid())
+        g = dist.new_group(list(range(W)), backend="cam")
+        x = tokens(16, torch.bfloat16, 500 + r)
+        ids = routing(16, 2, 2 * W, 600 + r)
+        w = weights(16, 2, 700 + r)
+        out = torch_cam.moe_distribute_dispatch(x, ids, g, W, r, 2 * W, expert_scales=w)
+        dist.barrier()
+        if r == 0:
+            got = torch_cam.moe_distribute_combine(out[0], ids, out[2], out[4], w, g, W, r, 2 * W)
+        else:
+            time.sleep(0.3)  # rank 0 has published and waits for the others
+            if r == 1:
+                os.kill(pids[0], signal.SIGSTOP)
+            got = torch_cam.moe_distribute_combine(out[0], ids, out[2], out[4], w, g, W, r, 2 * W)
+        dist.destroy_process_group(g)
+        del g
+        gc.collect()
+        if r == 1:
+            time.sleep(0.1)
+            os.kill(pids[0], signal.SIGCONT)
+        # identity experts: each token comes back as x * the sum of its weights
+        want = (x.float() * w.sum(dim=1, keepdim=True)).to(torch.bfloat16)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+        dist.barrier()
 
 
 class Moe4(MoeCases, MultiProcContinuousTest):

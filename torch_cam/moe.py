@@ -72,12 +72,16 @@ def occurrence_index(ids: torch.Tensor) -> torch.Tensor:
     n = ids.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int32)
+    ids = ids.to(torch.int64)
     order = torch.argsort(ids, stable=True)
+    routed = ids >= 0
+    counts = torch.bincount(ids[routed], minlength=1) if bool(routed.any()) else torch.zeros(1, dtype=torch.int64)
+    # Sorted, the -1 entries come first, then each expert's entries in row-major order.
+    first = torch.cumsum(counts, 0) - counts + (n - int(routed.sum()))
     sorted_ids = ids[order]
-    first = torch.searchsorted(sorted_ids, sorted_ids)
-    occ = torch.empty(n, dtype=torch.int64)
-    occ[order] = torch.arange(n) - first
-    occ[ids < 0] = -1
+    occ = torch.full((n,), -1, dtype=torch.int64)
+    keep = sorted_ids >= 0
+    occ[order[keep]] = torch.arange(n)[keep] - first[sorted_ids[keep]]
     return occ.to(torch.int32)
 
 

@@ -38,7 +38,7 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t rows_at = off;
   if (!in_place_) off += stage_align(n * row_bytes);
   char* s = stage_->reserve(seq(), off);
-  const int64_t base = stage_->arena_offset(s);
+  const int64_t base = stage_->arena_offset(seq());
   auto* h = reinterpret_cast<MoeCombineHeader*>(s);
   std::memset(static_cast<void*>(h), 0, sizeof(*h));
   d->heap_off = base;

@@ -99,7 +99,7 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t act_at = place(T);
   const int64_t rows_at = in_place_ ? -1 : place(T * width);
   char* s = stage_->reserve(seq(), off);
-  const int64_t base = stage_->arena_offset(s);
+  const int64_t base = stage_->arena_offset(seq());
   auto* h = reinterpret_cast<MoeDispatchHeader*>(s);
   std::memset(static_cast<void*>(h), 0, sizeof(*h));
   d->heap_off = base;

@@ -3,17 +3,24 @@
 namespace cam {
 
 char* MoeStage::reserve(uint64_t seq, int64_t bytes) {
-  at::Tensor& h = half_[seq & 1];
+  const int h = int(seq & 1);
   bytes = std::max<int64_t>(stage_align(bytes), kStageAlign);
-  if (!h.defined() || int64_t(h.nbytes()) < bytes) {
-    const int64_t old = h.defined() ? int64_t(h.nbytes()) : 0;
-    h = at::Tensor();  // free first so the arena can reuse the space
-    // Grow with headroom so a slowly rising load does not reallocate on every call.
-    const int64_t want = std::max(bytes, old + old / 2);
-    h = arena_->empty({want}, at::kByte);
-    bytes_.fetch_add(want - old, std::memory_order_relaxed);
+  if (len_[h] < bytes) {
+    // The old half's last readers ran op seq - 2, which every peer has finished (see above),
+    // so its pages may go back before the new half is reserved. Grow with headroom so that a
+    // slowly rising load does not reallocate on every call.
+    const int64_t want = std::max(bytes, len_[h] + len_[h] / 2);
+    if (off_[h] >= 0) {
+      arena_->release_block(off_[h]);
+      bytes_.fetch_sub(len_[h], std::memory_order_relaxed);
+      off_[h] = -1;
+      len_[h] = 0;
+    }
+    off_[h] = arena_->reserve_block(want);
+    len_[h] = want;
+    bytes_.fetch_add(want, std::memory_order_relaxed);
   }
-  return static_cast<char*>(h.data_ptr());
+  return arena_->block(off_[h]);
 }
 
 }  // namespace cam

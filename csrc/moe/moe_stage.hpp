@@ -10,6 +10,11 @@
 // A half grows (reallocated, never shrunk) to the largest size a call needed; its bytes are
 // reported by stats() ("moe_stage_bytes"). Peers locate a half by its arena offset, which
 // every op publishes in its descriptor.
+//
+// The halves are never released when the stage dies: the group's last MoE op has no successor
+// to prove that every peer has finished reading, and releasing punches the pages out (peers
+// would read zeros). They go with the window's mapping instead, which peers keep until they
+// unmap it themselves.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,12 +32,13 @@ class MoeStage {
   // At least `bytes` of half seq & 1. Called only by the thread that runs the group's
   // collectives (one at a time, in issue order).
   char* reserve(uint64_t seq, int64_t bytes);
-  int64_t arena_offset(const char* p) const { return arena_->offset_of(p, 1); }
+  int64_t arena_offset(uint64_t seq) const { return off_[seq & 1]; }
   int64_t bytes() const { return bytes_.load(std::memory_order_relaxed); }
 
  private:
   TensorArena* arena_;
-  at::Tensor half_[2];
+  int64_t off_[2] = {-1, -1};
+  int64_t len_[2] = {0, 0};
   std::atomic<int64_t> bytes_{0};
 };
 

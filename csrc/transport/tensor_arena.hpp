@@ -32,6 +32,12 @@ class TensorArena : public std::enable_shared_from_this<TensorArena> {
   // Offset of [p, p + n) in the arena, or -1 when that range is not inside it.
   int64_t offset_of(const void* p, int64_t n) const;
   int64_t capacity() const { return bytes_; }
+  // Raw blocks for the owner's own staging (MoE stages): offset of n reserved bytes, and
+  // their release. A block that peers may still read must simply not be released: its pages
+  // go with the arena's mapping, and survive in the peers' mappings until they unmap.
+  int64_t reserve_block(int64_t n) { return allocate(n); }
+  void release_block(int64_t off) { release(off); }
+  char* block(int64_t off) const { return base_ + off; }
   int64_t bytes_in_use() const;
 
  private:
