@@ -71,17 +71,12 @@ Workers use ``torch.set_num_threads(1)``; gloo is pinned to the loopback interfa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
@@ -91,33 +86,14 @@ for _p in (_HERE, _REPO):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import _common as C  # noqa: E402
+import _harness as H  # noqa: E402
 
 BACKENDS = ("cam", "gloo")
 
 
 # ----------------------------------------------------------------------------- worker side
-
-def _atomic_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _allreduce_max(x: float, gloo) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
-    return float(t.item())
-
-
-def _all_ok(ok: bool, gloo) -> bool:
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=gloo)
-    return bool(t.item())
-
 
 def _roundtrip_cell(backend: str, group, gloo, plan: C.Plan):
     rank = dist.get_rank()
@@ -161,7 +137,7 @@ def _roundtrip_cell(backend: str, group, gloo, plan: C.Plan):
             dist.recv(buf, 0, group=group)
             dist.send(buf, 0, group=group)
     dist.barrier(group=gloo)  # ranks >= 2 wait here the whole time (gloo blocks, no spinning)
-    ok = _all_ok(ok, gloo)
+    ok = H.all_ok(ok, gloo)
     return times, batch, samples, ok
 
 
@@ -284,7 +260,7 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
         barrier()
         t0 = time.perf_counter()
         fn()
-        first = _allreduce_max(time.perf_counter() - t0, gloo)
+        first = H.allreduce_max(time.perf_counter() - t0, gloo)
         if first > cap_s:
             w = 0
             extra["capped"] = True
@@ -295,7 +271,7 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
         t0 = time.perf_counter()
         for _ in range(w):
             fn()
-        est = _allreduce_max((time.perf_counter() - t0) / w, gloo)
+        est = H.allreduce_max((time.perf_counter() - t0) / w, gloo)
         if cap_s is None:
             batch, samples = plan.choose(est)
         else:
@@ -303,9 +279,7 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
             if (batch, samples) != plan.choose(est):
                 extra["capped"] = True
         times = [C.time_batch(fn, batch, before=barrier) for _ in range(samples)]
-        tt = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=gloo)
-        times = tt.tolist()
+        times = H.max_over_ranks(times, gloo)
     else:  # the first op alone took longer than the cap: it is the only sample
         batch, samples, times = 1, 1, [first]
 
@@ -315,9 +289,9 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
         stats = torch_cam.get_cam_backend(group)
         before = stats.stats()["heap_read_bytes"]
     ok = _check(op, b, fn, rank, world)
-    ok = _all_ok(ok, gloo)
+    ok = H.all_ok(ok, gloo)
     if heap:
-        extra["heap_read"] = _all_ok(stats.stats()["heap_read_bytes"] > before, gloo)
+        extra["heap_read"] = H.all_ok(stats.stats()["heap_read_bytes"] > before, gloo)
     return times, batch, samples, ok, extra
 
 
@@ -335,20 +309,8 @@ def _backends(op: str, cfg: dict) -> list[str]:
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str):
-    import warnings
-
-    import torch_cam  # noqa: F401  registers backend "cam"
-
-    # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (FutureWarning per call)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    torch.set_num_threads(1)
-    if cfg["pin"]:  # before any backend thread exists, so they all inherit it
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("cam", store=store, rank=rank, world_size=world, timeout=timeout)
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    H.setup_worker(rank, cfg["pin"])
+    gloo = H.init_groups(rank, world, store_path, cfg["op_timeout"])
     groups = {"cam": None, "gloo": gloo, "cam-heap": None, "cam-direct": None, "local": None,
               "ds-shm": None}
     plan = C.plan_for(cfg["quick"])
@@ -365,9 +327,9 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
 
     def dump(current=None, complete=False):
         if rank == 0:
-            _atomic_json(result_path, {"world": world, "rows": rows, "current": current,
-                                       "complete": complete, "elapsed_s": time.time() - t_start,
-                                       "ds_error": ds_error})
+            H.atomic_json(result_path, {"world": world, "rows": rows, "current": current,
+                                        "complete": complete, "elapsed_s": time.time() - t_start,
+                                        "ds_error": ds_error})
 
     for op in C.OPS:
         for nbytes in C.op_sizes(op, cfg["quick"]):
@@ -402,81 +364,19 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
                           f"  p90 {C.fmt_time(row['p90_us']):>10s}  {samples}x{batch}"
                           f"{flags}  ({row['cell_s']:.1f}s)", file=sys.stderr, flush=True)
     dump(None, complete=True)
-    dist.barrier(group=gloo)
-    dist.destroy_process_group(gloo)
-    dist.destroy_process_group()
+    H.finish_worker(gloo)
 
 
 # ----------------------------------------------------------------------------- launcher side
 
 def run_world(world: int, args) -> dict:
-    load_before = os.getloadavg()
-    tmp = tempfile.mkdtemp(prefix=f"bench_cam_{world}_")
-    store_path = os.path.join(tmp, "store")
-    result_path = os.path.join(tmp, "result.json")
     cfg = {"quick": args.quick, "op_timeout": args.op_timeout, "pin": args.pin,
            "deepspeed": args.deepspeed and not args.ds_unavailable, "ds_cap": args.ds_cap}
-    error = None
-    t0 = time.time()
-    ctx = mp.start_processes(_worker, args=(world, store_path, cfg, result_path), nprocs=world,
-                             join=False, start_method="spawn")
-    try:
-        while True:
-            try:
-                if ctx.join(timeout=1.0):
-                    break
-            except Exception as e:  # a worker failed; torch has terminated the others
-                error = f"worker failed: {type(e).__name__}: {str(e)[-3000:]}"
-                break
-            if time.time() - t0 > args.timeout:
-                error = f"deadline of {args.timeout:.0f}s passed; workers killed"
-                break
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join(timeout=10)
-    result = {"world": world, "rows": [], "complete": False, "current": None}
-    if os.path.exists(result_path):
-        with open(result_path) as f:
-            result = json.load(f)
-    result["wall_s"] = time.time() - t0
-    result["load_before"], result["load_after"] = load_before, os.getloadavg()
-    if error:
-        result["error"] = error
-        try:  # remove /dev/shm names of killed cam ranks, if any
-            import torch_cam
-            torch_cam._C.sweep_stale_segments()
-        except Exception:
-            pass
-    shutil.rmtree(tmp, ignore_errors=True)
-    return result
-
-
-def _cam_version() -> str:
-    try:
-        import torch_cam
-        return torch_cam.__version__
-    except Exception as e:  # pragma: no cover
-        return f"? ({e})"
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return H.run_world(_worker, world, cfg, args.timeout, "bench_cam")
 
 
 def header(world: int, args) -> str:
-    cores = os.cpu_count()
-    avail = _usable_cores()
-    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    return (f"## world size {world} — {date}, torch {torch.__version__}, torch_cam {_cam_version()}, "
-            f"{cores} cores ({avail} usable, {world / max(avail, 1):.1f} ranks/core), "
-            f"python {platform.python_version()}, {'quick' if args.quick else 'full'} mode, "
-            f"{'ranks pinned to core rank % cores' if args.pin else 'ranks not pinned'}")
+    return f"## world size {world} — {H.machine_line(world, args.quick, args.pin)}"
 
 
 _FLOOR_SCRIPT = """
@@ -598,7 +498,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
         fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
         note = (f"memcpy bound at {C.fmt_size(size)}: every rank copies {C.fmt_size(size)} at once "
                 f"(`out.copy_(inp)`, max over ranks) in {C.fmt_time(bound['median_us'])}"
-                f"{' (loose with more ranks than cores)' if world > _usable_cores() else ''}. "
+                f"{' (loose with more ranks than cores)' if world > H.usable_cores() else ''}. "
                 f"bound / all_to_all_single time: heap {fmt(a2a_heap)}")
         if a2a_heap is not None:
             note += f" (target ≥ 0.70: {'met' if a2a_heap >= 0.7 else 'NOT met'})"
@@ -665,9 +565,7 @@ def main():
         args.ds_cap = 2.0 if args.quick else 5.0
     args.ds_unavailable = None
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    H.prepare_env()
 
     use_mpi = args.mpi and shutil.which("mpirun") is not None
     if args.mpi and not use_mpi:
@@ -692,10 +590,7 @@ def main():
             f.write(out_parts[0])
     for world in args.ranks:
         print(f"== world size {world}: torch workers (cam + gloo)", file=sys.stderr, flush=True)
-        try:
-            res = run_world(world, args)
-        except Exception:
-            res = {"world": world, "rows": [], "error": traceback.format_exc()[-2000:]}
+        res = run_world(world, args)  # a failed launch comes back as an error
         mpi = None
         if use_mpi and world in mpi_ranks:
             print(f"== world size {world}: Open MPI", file=sys.stderr, flush=True)

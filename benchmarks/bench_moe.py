@@ -60,16 +60,10 @@ gloo uses the loopback interface. ``--pin`` pins rank r to core r % ncores.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
-import shutil
 import sys
-import tempfile
 import time
-import traceback
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(_HERE)
@@ -79,9 +73,9 @@ for _p in (_HERE, _REPO):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import _common as C  # noqa: E402
+import _harness as H  # noqa: E402
 
 TOPK = 8
 DECODE_TOKENS = 128
@@ -164,26 +158,6 @@ class A2ADispatcher:
 
 
 # ----------------------------------------------------------------------------- worker side
-
-def _atomic_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
-
-
-def _max_over_ranks(values: list[float], gloo) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if t.numel():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
-    return t.tolist()
-
-
-def _all_ok(ok: bool, gloo) -> bool:
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=gloo)
-    return bool(t.item())
-
 
 def configurations(world: int, cfg: dict) -> tuple[list[dict], list[str]]:
     confs, skipped = [], []
@@ -300,8 +274,8 @@ def check(v: Variants, gloo) -> tuple[bool, str, dict]:
     elif not bool(((out8.float() - ref.float()).abs() <= bound).all()):
         err = (out8.float() - ref.float()).abs().max().item()
         problems.append(f"cam_int8 vs x*sum(w): max abs err {err:.3g} (beyond one int8 step)")
-    ok = _all_ok(not problems, gloo)
-    all_same = _all_ok(same_rows, gloo)
+    ok = H.all_ok(not problems, gloo)
+    all_same = H.all_ok(same_rows, gloo)
     rows = torch.tensor([float(n)], dtype=torch.float64)
     dist.all_reduce(rows, group=gloo)
     text = "ok" + ("; dispatch rows identical to (a)" if all_same else "; dispatch rows differ from (a) in order")
@@ -322,7 +296,7 @@ def time_config(v: Variants, gloo, plan: dict, warmup: int, samples_override: in
             t0, _, t2, _ = v.run(name)
             ts.append(t2 - t0)
         est[name] = sum(ts) / len(ts)
-    est = dict(zip(VARIANTS, _max_over_ranks([est[n] for n in VARIANTS], gloo)))
+    est = dict(zip(VARIANTS, H.max_over_ranks([est[n] for n in VARIANTS], gloo)))
     nsamp = {}
     for name in VARIANTS:
         if samples_override:
@@ -340,7 +314,7 @@ def time_config(v: Variants, gloo, plan: dict, warmup: int, samples_override: in
     res = {}
     for name in VARIANTS:  # max over ranks, per sample and per part, outside the timed loop
         flat = [t for s in times[name] for t in s]
-        mx = _max_over_ranks(flat, gloo)
+        mx = H.max_over_ranks(flat, gloo)
         d, c, tot = mx[0::3], mx[1::3], mx[2::3]
         res[name] = {"dispatch": C.summarize(d), "combine": C.summarize(c), "total": C.summarize(tot),
                      "samples": nsamp[name], "est_us": est[name] * 1e6}
@@ -348,34 +322,23 @@ def time_config(v: Variants, gloo, plan: dict, warmup: int, samples_override: in
 
 
 def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str):
-    import warnings
-
-    import torch_cam  # noqa: F401  registers backend "cam"
-
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    torch.set_num_threads(1)
-    if cfg["pin"]:  # before any backend thread exists, so they all inherit it
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    H.setup_worker(rank, cfg["pin"])
     confs, skipped = configurations(world, cfg)
     # The MoE stage (two halves, grown with 50% headroom) lives in the tensor heap: make room
     # for the largest combine stage (every received row) with margin; pages cost only when used.
     need = max(c["T"] * c["K"] * c["H"] * 2 for c in confs) * 6 + (64 << 20)
     heap = max(1 << 30, 1 << (need - 1).bit_length())
-    timeout = datetime.timedelta(seconds=cfg["op_timeout"])
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("cam", store=store, rank=rank, world_size=world, timeout=timeout,
-                            pg_options={"tensor_heap_bytes": heap})
-    gloo = dist.new_group(backend="gloo", timeout=timeout)
+    gloo = H.init_groups(rank, world, store_path, cfg["op_timeout"],
+                         pg_options={"tensor_heap_bytes": heap})
     plan = PLANS["quick" if cfg["quick"] else "full"]
     rows = []
     t_start = time.time()
 
     def dump(current=None, complete=False, failed=None):
         if rank == 0:
-            _atomic_json(result_path, {"world": world, "rows": rows, "current": current, "skipped": skipped,
-                                       "complete": complete, "failed": failed, "heap_bytes": heap,
-                                       "elapsed_s": time.time() - t_start})
+            H.atomic_json(result_path, {"world": world, "rows": rows, "current": current, "skipped": skipped,
+                                        "complete": complete, "failed": failed, "heap_bytes": heap,
+                                        "elapsed_s": time.time() - t_start})
 
     for conf in confs:
         name = f"{conf['shape']} T={conf['T']} K={conf['K']} E={conf['E']} H={conf['H']}"
@@ -398,72 +361,16 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
                   + f"  ({row['cell_s']:.1f}s)", file=sys.stderr, flush=True)
         del v, x, ids, w
     dump(None, complete=True)
-    dist.barrier(group=gloo)
-    dist.destroy_process_group(gloo)
-    dist.destroy_process_group()
+    H.finish_worker(gloo)
 
 
 # ----------------------------------------------------------------------------- launcher side
 
 def run_world(world: int, args) -> dict:
-    load_before = os.getloadavg()
-    tmp = tempfile.mkdtemp(prefix=f"bench_moe_{world}_")
-    store_path = os.path.join(tmp, "store")
-    result_path = os.path.join(tmp, "result.json")
     cfg = {"quick": args.quick, "op_timeout": args.op_timeout, "pin": args.pin, "hidden": args.hidden,
            "prefill_hidden": args.prefill_hidden, "prefill_tokens": args.prefill_tokens,
            "decode_tokens": args.decode_tokens, "samples": args.samples, "seed": args.seed}
-    error = None
-    t0 = time.time()
-    ctx = mp.start_processes(_worker, args=(world, store_path, cfg, result_path), nprocs=world,
-                             join=False, start_method="spawn")
-    try:
-        while True:
-            try:
-                if ctx.join(timeout=1.0):
-                    break
-            except Exception as e:  # a worker failed; torch has terminated the others
-                error = f"worker failed: {type(e).__name__}: {str(e)[-3000:]}"
-                break
-            if time.time() - t0 > args.timeout:
-                error = f"deadline of {args.timeout:.0f}s passed; workers killed"
-                break
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-        for p in ctx.processes:
-            p.join(timeout=10)
-    result = {"world": world, "rows": [], "complete": False, "current": None}
-    if os.path.exists(result_path):
-        with open(result_path) as f:
-            result = json.load(f)
-    result["wall_s"] = time.time() - t0
-    result["load_before"], result["load_after"] = load_before, os.getloadavg()
-    if error:
-        result["error"] = error
-        try:  # remove /dev/shm names of killed cam ranks, if any
-            import torch_cam
-            torch_cam._C.sweep_stale_segments()
-        except Exception:
-            pass
-    shutil.rmtree(tmp, ignore_errors=True)
-    return result
-
-
-def _cam_version() -> str:
-    try:
-        import torch_cam
-        return torch_cam.__version__
-    except Exception as e:  # pragma: no cover
-        return f"? ({e})"
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return H.run_world(_worker, world, cfg, args.timeout, "bench_moe")
 
 
 def _us(v: float | None) -> str:
@@ -479,12 +386,7 @@ def _cell(r: dict | None, part: str = "total") -> str:
 
 
 def table(world: int, res: dict, args) -> str:
-    avail = _usable_cores()
-    date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    lines = [f"## MoE dispatch + combine, {world} ranks — {date}, torch {torch.__version__}, torch_cam "
-             f"{_cam_version()}, {os.cpu_count()} cores ({avail} usable, {world / max(avail, 1):.1f} ranks/core), "
-             f"python {platform.python_version()}, {'quick' if args.quick else 'full'} mode, "
-             f"{'ranks pinned to core rank % cores' if args.pin else 'ranks not pinned'}", "",
+    lines = [f"## MoE dispatch + combine, {world} ranks — {H.machine_line(world, args.quick, args.pin)}", "",
              "Dispatch + combine per layer, median / p90 in µs (max over ranks per sample); identity experts.", "",
              "| shape | W | experts | H | cam (µs) | cam int8 (µs) | a2a over cam (b) (µs) | "
              "a2a over gloo (a) (µs) | ratio (a)/cam | ratio (b)/cam | cam GB/s | check |",
@@ -552,9 +454,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    H.prepare_env()
 
     t_all = time.time()
     head = f"# torch_cam MoE dispatch + combine benchmark\n\ncommand: `{' '.join([sys.executable] + sys.argv)}`\n"
@@ -569,10 +469,7 @@ def main():
     write()
     for world in args.ranks:
         print(f"== world size {world}", file=sys.stderr, flush=True)
-        try:
-            res = run_world(world, args)
-        except Exception:
-            res = {"world": world, "rows": [], "error": traceback.format_exc()[-2000:]}
+        res = run_world(world, args)  # a failed launch comes back as an error
         md = table(world, res, args)
         print(md + "\n", flush=True)
         parts.append(md + "\n")

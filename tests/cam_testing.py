@@ -1,5 +1,6 @@
-"""Helpers shared by the tests: deterministic data of any dtype, byte-exact comparison, and a
-launcher that runs a function on N fresh processes with a hard deadline."""
+"""Helpers shared by the tests: deterministic data of any dtype, byte-exact comparison, a
+launcher that runs a function on N fresh processes with a hard deadline, and the cam settings
+of MultiProcContinuousTest classes (CamProcessGroupCase)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -10,6 +11,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
 # Every dtype a CPU tensor can have that cam must carry byte-exactly.
 ALL_DTYPES = [
@@ -109,3 +111,28 @@ def run_ranks(fn, world_size: int, *args, deadline_s: float = 120.0, env: dict |
 def assert_all_ok(testcase, results):
     errors = {r: v for r, (s, v) in results.items() if s != "ok"}
     testcase.assertFalse(errors, "\n".join(f"rank {r}: {v}" for r, v in errors.items()))
+
+
+class CamProcessGroupCase:
+    """Mixin for torch's MultiProcContinuousTest on cam: backend "cam" on CPU, with the class's
+    ``cam_options`` as the default group's pg_options, and ``self.pg``, the default group.
+    List it (or a class built on it) before MultiProcContinuousTest; set ``timeout`` and
+    ``cam_options`` per class (``opts()`` returns a fresh copy of ``cam_options``)."""
+
+    cam_options: dict = {"window_bytes": 1 << 20}
+
+    @classmethod
+    def backend_str(cls):
+        return "cam"
+
+    @classmethod
+    def opts(cls, high_priority_stream=False):
+        return dict(cls.cam_options)
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+    @property
+    def pg(self):
+        return dist.distributed_c10d._get_default_group()

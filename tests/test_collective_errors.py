@@ -17,30 +17,15 @@ from torch.testing._internal.common_utils import run_tests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_cam  # noqa: F401,E402
-from cam_testing import run_ranks  # noqa: E402
+from cam_testing import CamProcessGroupCase, run_ranks  # noqa: E402
 
 R = dist.ReduceOp
 
 
-class CamCollectiveErrorsTest(MultiProcContinuousTest):
+class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
     world_size = 3
     timeout = timedelta(seconds=60)
-
-    @classmethod
-    def backend_str(cls):
-        return "cam"
-
-    @classmethod
-    def opts(cls, high_priority_stream=False):
-        return {"window_bytes": 1 << 20, "chunk_bytes": 64 << 10}
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
-    @property
-    def pg(self):
-        return dist.distributed_c10d._get_default_group()
+    cam_options = {"window_bytes": 1 << 20, "chunk_bytes": 64 << 10}
 
     def assert_group_usable(self, group=None):
         w = dist.get_world_size(group)

@@ -18,7 +18,7 @@ from torch.testing._internal.common_utils import run_tests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_cam  # noqa: F401,E402  registers "cam"
-from cam_testing import ALL_DTYPES, make, same_bytes  # noqa: E402
+from cam_testing import ALL_DTYPES, CamProcessGroupCase, make, same_bytes  # noqa: E402
 
 R = dist.ReduceOp
 WINDOW = 1 << 20
@@ -97,24 +97,17 @@ def opts_of(cls, op, root=None):
     return o
 
 
-class CamCollectivesCases:
+class CamCollectivesCases(CamProcessGroupCase):
     """The cases; one MultiProcContinuousTest class per configuration below (the harness keeps
     per-class state, so each must be its own direct subclass)."""
 
     timeout = timedelta(seconds=120)
+    cam_options = {"window_bytes": WINDOW, "chunk_bytes": CHUNK}
     algo = "auto"  # the all_reduce algorithm the class's group uses
 
     @classmethod
-    def backend_str(cls):
-        return "cam"
-
-    @classmethod
     def opts(cls, high_priority_stream=False):
-        return {"window_bytes": WINDOW, "chunk_bytes": CHUNK, "allreduce_algo": cls.algo}
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
+        return {**super().opts(), "allreduce_algo": cls.algo}
 
     @property
     def light(self):
@@ -123,10 +116,6 @@ class CamCollectivesCases:
     def sizes(self):
         # Oversubscribed runs keep the boundary and multi-window sizes but drop the others.
         return SIZES if not self.light else [0, 7, 65_537, 1_000_003]
-
-    @property
-    def pg(self):
-        return dist.distributed_c10d._get_default_group()
 
     def staged(self):
         return torch_cam.get_cam_backend().stats()["staged_bytes"]

@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_cam  # noqa: E402
 from torch_cam import moe_reference as ref  # noqa: E402
 from torch_cam.moe_buffer import Buffer, per_token_cast_to_fp8  # noqa: E402
+from cam_testing import CamProcessGroupCase  # noqa: E402
 
 H = 256
 
@@ -36,24 +37,9 @@ def xs_of(T, seed, dtype=torch.bfloat16):
     return torch.randn(T, H, generator=g).to(dtype)
 
 
-class BufferCases:
+class BufferCases(CamProcessGroupCase):
     timeout = timedelta(seconds=180)
-
-    @classmethod
-    def backend_str(cls):
-        return "cam"
-
-    @classmethod
-    def opts(cls, high_priority_stream=False):
-        return {"window_bytes": 1 << 20}
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
-    @property
-    def pg(self):
-        return dist.distributed_c10d._get_default_group()
+    cam_options = {"window_bytes": 1 << 20}
 
     def inputs(self, seed, E, K=4, drop=3, same_T=False):
         R = self.world_size

@@ -13,30 +13,19 @@ from torch.testing._internal.common_utils import run_tests
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_cam  # noqa: F401,E402  registers "cam"
-from cam_testing import ALL_DTYPES, make, same_bytes  # noqa: E402
+from cam_testing import ALL_DTYPES, CamProcessGroupCase, make, same_bytes  # noqa: E402
 
 WINDOW = 1 << 20
 # 0 bytes, tiny, odd, one chunk, several windows (float32 elements).
 SIZES = [0, 1, 7, 4097, 300_001, 1_000_003]
 
 
-class CamOpsCases:
+class CamOpsCases(CamProcessGroupCase):
     """The cases; one MultiProcContinuousTest class per world size below (the harness keeps
     per-class state, so each size must be its own direct subclass)."""
 
     timeout = timedelta(seconds=90)
-
-    @classmethod
-    def backend_str(cls):
-        return "cam"
-
-    @classmethod
-    def opts(cls, high_priority_stream=False):
-        return {"window_bytes": WINDOW, "chunk_bytes": 64 << 10}
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
+    cam_options = {"window_bytes": WINDOW, "chunk_bytes": 64 << 10}
 
     def sizes(self):
         # Oversubscribed runs keep the multi-window sizes but drop the middle ones.
@@ -322,10 +311,7 @@ class CamOps3SingleCopy(CamOpsCases, MultiProcContinuousTest):
     so every case also runs with large blocks taking it and small ones staged."""
 
     world_size = 3
-
-    @classmethod
-    def opts(cls, high_priority_stream=False):
-        return {**CamOpsCases.opts(), "single_copy_bytes": 256 << 10}
+    cam_options = {**CamOpsCases.cam_options, "single_copy_bytes": 256 << 10}
 
 
 if __name__ == "__main__":
