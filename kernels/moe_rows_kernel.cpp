@@ -87,15 +87,15 @@ void quantize_row_t(const T* src, const float* smooth, int64_t n, int8_t* q, flo
     *scale = 0.f;
     return;
   }
-  // Pass 2: q = round_half_even(xf * (127 / m)). Vectorized::round rounds half to even.
+  // Pass 2: xf = round_half_even(xf * (127 / m)) in place (Vectorized::round rounds half to
+  // even); pass 3 narrows the now-integral values, a plain loop the compiler vectorizes.
   const F inv(127.0f / m);
   const F lo(-127.f), hi(127.f);
   for (int64_t i = 0; i < n; i += W) {
     const int64_t c = std::min<int64_t>(W, n - i);
-    F r = at::vec::clamp((load<F>(x + i, c) * inv).round(), lo, hi);
-    r.store(lanes, c);
-    for (int64_t l = 0; l < c; ++l) q[i + l] = int8_t(lanes[l]);
+    at::vec::clamp((load<F>(x + i, c) * inv).round(), lo, hi).store(x + i, c);
   }
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(static_cast<int32_t>(x[i]));
   *scale = m / 127.0f;
 }
 

@@ -34,6 +34,9 @@ class Options:
     #: One-shot all_reduce up to this size is eager (input copied in with the descriptor: one
     #: synchronisation instead of two).
     eager_max_bytes: int = 64 << 10
+    #: Freed MoE outputs (expand_x, combined tokens) kept per group for reuse, at most this
+    #: many bytes: reusing them spares every call the page faults of fresh large allocations.
+    moe_output_cache_bytes: int = 512 << 20
     #: "auto" (by size), or force "one_shot" / "two_shot".
     allreduce_algo: str = "auto"
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that

@@ -214,8 +214,8 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
     max_bs = global_bs // W if global_bs else BS
     A = max_bs * W // S if is_shared else max_bs * W * min(L, K)
     quant = quant_mode == 2
-    expand_x = torch.empty(T * A, H, dtype=torch.int8 if quant else x.dtype)
-    dynamic_scales = torch.empty(T * A, dtype=torch.float32) if quant else None
+    expand_x = backend.moe_empty([T * A, H], torch.int8 if quant else x.dtype)
+    dynamic_scales = backend.moe_empty([T * A], torch.float32) if quant else None
     expand_scales = torch.zeros(T * A, dtype=torch.float32) if expert_scales is not None else None
     counts = torch.empty(W * L_here, dtype=torch.int32)
     if v2:
@@ -394,7 +394,7 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
         add = _special_experts(expert_ids, entry_active, expert_scales, M, zero_expert_num, copy_expert_num,
                                const_expert_num, ori_x, const_expert_alpha_1, const_expert_alpha_2,
                                const_expert_v, add, BS, H)
-    out = torch.empty(BS, H, dtype=expand_x.dtype)
+    out = backend.moe_empty([BS, H], expand_x.dtype)
     backend.moe_combine(
         error="", rows=rows.contiguous(), seg_base=_exclusive(own), quant=comm_quant_mode == 2,
         plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=weight,

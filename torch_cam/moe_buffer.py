@@ -211,7 +211,7 @@ class Buffer:
             side.append(_as_bytes(x_scales.to(torch.float32)))
         aux = torch.cat(side, dim=1).contiguous() if side else None
         cap = max(n_recv, num_worst_tokens)
-        recv_rows = torch.empty(cap, rows.shape[1], dtype=rows.dtype)
+        recv_rows = self.backend.moe_empty([cap, rows.shape[1]], rows.dtype)
         recv_aux = torch.empty(cap, aux.shape[1], dtype=torch.uint8) if aux is not None else None
         info = torch.empty(cap * 3, dtype=torch.int32)
         got_counts = torch.empty(R, dtype=torch.int32)
@@ -296,7 +296,7 @@ class Buffer:
                 for b in parts[1:]:
                     add = add + b.to(torch.float32)
         zero = torch.zeros(1, dtype=torch.int64)
-        combined = torch.empty(T, x.shape[1], dtype=x.dtype)
+        combined = self.backend.moe_empty([T, x.shape[1]], x.dtype)
         w1 = self.backend.moe_combine(error="", rows=x.contiguous(), seg_base=zero, quant=False, plan_peer=peer,
                                       plan_seg=seg, plan_off=off, plan_weight=None,
                                       add=None if add is None else add.contiguous(), add_first=True, out=combined)
@@ -345,7 +345,7 @@ class Buffer:
             aux = _as_bytes(scales)
         else:
             rows, aux = x, None
-        recv = torch.empty(L, slab, H, dtype=rows.dtype)
+        recv = self.backend.moe_empty([L, slab, H], rows.dtype)
         recv_aux = torch.empty(L * slab, aux.shape[1], dtype=torch.uint8) if aux is not None else None
         info = torch.empty(L * slab * 3, dtype=torch.int32)
         counts = torch.empty(R * L, dtype=torch.int32)
@@ -414,7 +414,7 @@ class Buffer:
         seg = ((e % L) * R + me).to(torch.int32).contiguous()
         occ = occurrence_index(torch.where(valid, idx, -1).to(torch.int32).view(-1)).view(T, K)
         off = occ.to(torch.int64).clamp(min=0).contiguous()
-        combined = out if out is not None else torch.empty(T, H, dtype=x.dtype)
+        combined = out if out is not None else self.backend.moe_empty([T, H], x.dtype)
         rows = x.reshape(L * slab, H)
         work = self.backend.moe_combine(
             error="", rows=rows if rows.is_contiguous() else rows.contiguous(), seg_base=seg_base,

@@ -19,6 +19,7 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
                       cfg.tensor_heap_bytes, cfg.eager_max_bytes);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout);
+  output_pool_ = std::make_shared<OutputPool>(cfg.moe_output_cache_bytes);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));
 }
 
@@ -44,7 +45,8 @@ std::map<std::string, int64_t> CamBackend::stats() const {
           {"heap_read_bytes", int64_t(s.heap_read_bytes.load())},
           {"tensor_heap_bytes", engine_->heap().arena()->capacity()},
           {"tensor_heap_in_use", engine_->heap().arena()->bytes_in_use()},
-          {"moe_stage_bytes", moe_stage_bytes()}};
+          {"moe_stage_bytes", moe_stage_bytes()},
+          {"moe_output_cache_bytes", output_pool_->cached_bytes()}};
 }
 
 at::Tensor CamBackend::empty(at::IntArrayRef sizes, at::ScalarType dtype) {

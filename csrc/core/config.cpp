@@ -33,6 +33,7 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
     else if (key == "one_shot_max_bytes") c.one_shot_max_bytes = as_int();
     else if (key == "tensor_heap_bytes") c.tensor_heap_bytes = as_int();
     else if (key == "eager_max_bytes") c.eager_max_bytes = as_int();
+    else if (key == "moe_output_cache_bytes") c.moe_output_cache_bytes = as_int();
     else if (key == "allreduce_algo") {
       if (value == "auto") c.allreduce_algo = AllReduceAlgo::kAuto;
       else if (value == "one_shot") c.allreduce_algo = AllReduceAlgo::kOneShot;
@@ -78,6 +79,8 @@ void CamConfig::validate(int world_size) const {
               "cam option tensor_heap_bytes: expected 0..16 TiB, got ", tensor_heap_bytes);
   TORCH_CHECK(eager_max_bytes >= 0 && eager_max_bytes <= (16ll << 20),
               "cam option eager_max_bytes: expected 0..16 MiB, got ", eager_max_bytes);
+  TORCH_CHECK(moe_output_cache_bytes >= 0, "cam option moe_output_cache_bytes: expected >= 0, got ",
+              moe_output_cache_bytes);
   TORCH_CHECK(one_shot_max_bytes >= 0, "cam option one_shot_max_bytes: expected >= 0, got ",
               one_shot_max_bytes);
   TORCH_CHECK(spin_us >= 0 && yield_us >= spin_us && sleep_max_us >= 1,
@@ -92,7 +95,8 @@ std::string CamConfig::to_string() const {
   std::ostringstream os;
   os << "window_bytes=" << window_bytes << " p2p_fraction=" << p2p_fraction
      << " chunk_bytes=" << chunk_bytes << " single_copy_bytes=" << single_copy_bytes
-     << " tensor_heap_bytes=" << tensor_heap_bytes << " eager_max_bytes=" << eager_max_bytes << " one_shot_max_bytes=" << one_shot_max_bytes << " allreduce_algo="
+     << " tensor_heap_bytes=" << tensor_heap_bytes << " eager_max_bytes=" << eager_max_bytes << " one_shot_max_bytes=" << one_shot_max_bytes
+     << " moe_output_cache_bytes=" << moe_output_cache_bytes << " allreduce_algo="
      << (allreduce_algo == AllReduceAlgo::kAuto ? "auto"
          : allreduce_algo == AllReduceAlgo::kOneShot ? "one_shot" : "two_shot")
      << " spin_us=" << spin_us << " yield_us=" << yield_us

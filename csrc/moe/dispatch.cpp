@@ -56,6 +56,10 @@ struct alignas(64) MoeDispatchHeader {
   int64_t tokens, topk, num_experts, width_bytes, aux_bytes, max_tokens, capacity, slab_rows;
   int32_t shared_ranks, experts_per_rank, quant, has_weights, row_dtype, hidden;
   int64_t rows_off, ids_off, weights_off, csr_off, entries_off, aux_off, active_off;
+  // Quantization without smooth scales gives a token the same int8 row for every expert, so
+  // the sender quantizes each token once and stages int8 rows (H bytes) plus their scales.
+  int32_t prequant, pad;
+  int64_t scales_off;
   // First routing error found while building the CSR (kind 0: none).
   int32_t bad_kind, bad_token, bad_slot, bad_value;
 };
@@ -82,7 +86,10 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t T = ok ? a_.rows.size(0) : 0, K = ok ? a_.ids.size(1) : 0, M = a_.num_experts;
   const int64_t width = ok ? a_.rows.size(1) * int64_t(a_.rows.element_size()) : 0;
   const int64_t aux = ok && a_.aux.defined() ? a_.aux.size(1) : 0;
-  const int64_t rows_heap = ok && T > 0 ? ctx.heap_offset(a_.rows.data_ptr(), int64_t(a_.rows.nbytes())) : -1;
+  const bool prequant = ok && a_.quant && !a_.smooth.defined();
+  const int64_t H = ok ? a_.rows.size(1) : 0;
+  const int64_t rows_heap =
+      ok && T > 0 && !prequant ? ctx.heap_offset(a_.rows.data_ptr(), int64_t(a_.rows.nbytes())) : -1;
   in_place_ = rows_heap >= 0;
   // Stage layout: header | ids | weights | csr | entries | aux | active | rows (unless in place)
   int64_t off = stage_align(sizeof(MoeDispatchHeader));
@@ -97,7 +104,8 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t ent_at = place(T * K * 4);
   const int64_t aux_at = place(T * aux);
   const int64_t act_at = place(T);
-  const int64_t rows_at = in_place_ ? -1 : place(T * width);
+  const int64_t scales_at = place(prequant ? T * 4 : 0);
+  const int64_t rows_at = in_place_ ? -1 : place(T * (prequant ? H : width));
   char* s = stage_->reserve(seq(), off);
   const int64_t base = stage_->arena_offset(seq());
   auto* h = reinterpret_cast<MoeDispatchHeader*>(s);
@@ -125,12 +133,23 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   h->aux_off = base + aux_at;
   h->active_off = base + act_at;
   h->rows_off = in_place_ ? rows_heap : base + rows_at;
+  h->prequant = prequant;
+  h->scales_off = base + scales_at;
   const int32_t* ids = a_.ids.data_ptr<int32_t>();
   kernels::copy_bytes(s + ids_at, ids, T * K * 4);
   if (h->has_weights) kernels::copy_bytes(s + w_at, a_.weights.data_ptr(), T * K * 4);
   if (aux > 0) kernels::copy_bytes(s + aux_at, a_.aux.data_ptr(), T * aux);
   kernels::copy_bytes(s + act_at, a_.token_active.data_ptr(), T);
-  if (!in_place_) {
+  if (prequant) {
+    const auto dtype = a_.rows.scalar_type();
+    const char* src = static_cast<const char*>(a_.rows.data_ptr());
+    auto* scales = reinterpret_cast<float*>(s + scales_at);
+    for (int64_t t = 0; t < T; ++t) {
+      kernels::quantize_row_int8(dtype, src + t * width, nullptr, H,
+                                 reinterpret_cast<int8_t*>(s + rows_at) + t * H, scales + t);
+    }
+    ctx.stats.add(ctx.stats.staged_bytes, T * H);
+  } else if (!in_place_) {
     kernels::copy_bytes(s + rows_at, a_.rows.data_ptr(), T * width);
     ctx.stats.add(ctx.stats.staged_bytes, T * width);
   }
@@ -278,12 +297,15 @@ bool MoeDispatchOp::data_step(Context& ctx) {
     // One received row: (src, token t, slot k) to position pos.
     auto put = [&](int src, const MoeDispatchHeader& p, int64_t t, int64_t k, int64_t pos,
                    int64_t smooth_row) {
-      const char* row = ctx.peer_heap(src, p.rows_off) + t * width;
-      if (a_.quant) {
+      if (p.prequant) {
+        kernels::copy_bytes(out_rows + pos * H, ctx.peer_heap(src, p.rows_off) + t * H, H);
+        out_scales[pos] = reinterpret_cast<const float*>(ctx.peer_heap(src, p.scales_off))[t];
+      } else if (a_.quant) {
+        const char* row = ctx.peer_heap(src, p.rows_off) + t * width;
         kernels::quantize_row_int8(dtype, row, smooth ? smooth + smooth_row * H : nullptr, H,
                                    reinterpret_cast<int8_t*>(out_rows) + pos * H, out_scales + pos);
       } else {
-        kernels::copy_bytes(out_rows + pos * out_width, row, width);
+        kernels::copy_bytes(out_rows + pos * out_width, ctx.peer_heap(src, p.rows_off) + t * width, width);
       }
       if (out_aux) kernels::copy_bytes(out_aux + pos * aux, ctx.peer_heap(src, p.aux_off) + t * aux, aux);
       if (out_w) {
@@ -297,7 +319,7 @@ bool MoeDispatchOp::data_step(Context& ctx) {
         info[1] = int32_t(t);
         info[2] = int32_t(k);
       }
-      moved += width;
+      moved += p.prequant ? H : width;
     };
     int64_t pos = 0;
     if (me < S) {

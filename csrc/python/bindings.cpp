@@ -118,6 +118,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
           py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE combine (see torch_cam/moe.py); returns a Work")
+      .def(
+          "moe_empty",
+          [](cam::CamBackend& b, const std::vector<int64_t>& sizes, py::object dtype) {
+            return b.moe_empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+          },
+          py::arg("sizes"), py::arg("dtype"), "An MoE output tensor from the recycling pool")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
