@@ -90,12 +90,14 @@ def shared_chunk_lo(r: int, c: int, tokens: int, S: int) -> int:
     return (c + r) * tokens // S - r * tokens // S
 
 
-def _exclusive(counts: torch.Tensor) -> torch.Tensor:
-    """Segment bases from inclusive running sums."""
-    out = torch.zeros(counts.numel(), dtype=torch.int64)
-    if counts.numel() > 1:
-        out[1:] = counts[:-1].to(torch.int64)
-    return out
+def segments_table(counts: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
+    """(n, 3) int64 [first row, rows, owner rank] of consecutive segments, from inclusive running
+    sums of their sizes and the rank whose tokens each holds."""
+    ends = counts.to(torch.int64)
+    first = torch.zeros_like(ends)
+    if ends.numel() > 1:
+        first[1:] = ends[:-1]
+    return torch.stack([first, ends - first, owners.to(torch.int64)], dim=1).contiguous()
 
 
 def _fail_collectively(backend, error: str, combine: bool = False):
@@ -104,7 +106,7 @@ def _fail_collectively(backend, error: str, combine: bool = False):
     empty = torch.empty(0, 0)
     if combine:
         none = torch.empty(0, 0, dtype=torch.int32)
-        backend.moe_combine(error=error, rows=empty, seg_base=torch.empty(0, dtype=torch.int64), quant=False,
+        backend.moe_combine(error=error, rows=empty, segments=torch.empty(0, 3, dtype=torch.int64), quant=False,
                             plan_peer=none, plan_seg=none, plan_off=none.long(), plan_weight=None, add=None,
                             add_first=False, out=empty).wait()
     else:
@@ -374,19 +376,17 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
     if expert_scales is not None:
         weight[:, :K] = expert_scales.to(torch.float32)
     if S > 0:
+        # The shared-expert row: on a shared rank its own token (chunked by its own split), on
+        # a routed-expert rank the token's chunk at shared rank `chunk`.
         tok = torch.arange(BS)
-        if is_shared:
-            # Own tokens: in the order dispatch appended them (chunk by chunk of its own split).
-            peer[:, K] = torch.where(token_active, rank, -1).to(torch.int32)
-            off[:, K] = torch.cumsum(token_active.to(torch.int64), 0) - 1
-        else:
-            bounds = torch.tensor([shared_chunk_lo(rank, cc, BS, S) for cc in range(S + 1)])
-            chunk = torch.searchsorted(bounds, tok, right=True) - 1
-            act = token_active.to(torch.int64)
-            before = torch.cumsum(act, 0) - act  # active tokens before t
-            peer[:, K] = torch.where(token_active, chunk, -1).to(torch.int32)
-            seg[:, K] = rank
-            off[:, K] = before - before.new_tensor([int(act[:bounds[cc]].sum()) for cc in range(S)])[chunk]
+        bounds = torch.tensor([shared_chunk_lo(rank, cc, BS, S) for cc in range(S + 1)])
+        chunk = torch.searchsorted(bounds, tok, right=True) - 1
+        act = token_active.to(torch.int64)
+        before = torch.cumsum(act, 0) - act  # active tokens before t
+        at_chunk_start = before.new_tensor([int(act[:bounds[cc]].sum()) for cc in range(S)])
+        peer[:, K] = torch.where(token_active, rank if is_shared else chunk, -1).to(torch.int32)
+        seg[:, K] = (chunk if is_shared else torch.full_like(chunk, rank)).to(torch.int32)
+        off[:, K] = before - at_chunk_start[chunk]
     add = None
     if shared_expert_x is not None:
         add = shared_expert_x.reshape(BS, H).to(torch.float32)
@@ -394,9 +394,12 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
         add = _special_experts(expert_ids, entry_active, expert_scales, M, zero_expert_num, copy_expert_num,
                                const_expert_num, ori_x, const_expert_alpha_1, const_expert_alpha_2,
                                const_expert_v, add, BS, H)
+    # Segment i of this rank's rows holds source rank owners[i]'s tokens.
+    seg_ids = torch.arange(W * L_here)
+    owners = torch.where(seg_ids < S, rank, seg_ids) if is_shared else seg_ids % W
     out = backend.moe_empty([BS, H], expand_x.dtype)
     backend.moe_combine(
-        error="", rows=rows.contiguous(), seg_base=_exclusive(own), quant=comm_quant_mode == 2,
+        error="", rows=rows.contiguous(), segments=segments_table(own, owners), quant=comm_quant_mode == 2,
         plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=weight,
         add=None if add is None else add.contiguous(), add_first=False, out=out).wait()
     if not bool(token_active.all()):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .backend import get_cam_backend
 from .heap import empty as heap_empty
-from .moe import occurrence_index
+from .moe import occurrence_index, segments_table
 
 __all__ = ["Buffer", "EventOverlap", "Config"]
 
@@ -285,8 +285,11 @@ class Buffer:
         rank_prefix_matrix, _, _, _, is_token_in_rank, send_pos = handle
         T = is_token_in_rank.shape[0]
         peer = torch.where(is_token_in_rank, torch.arange(R, dtype=torch.int32), -1).to(torch.int32).contiguous()
-        seg = torch.zeros(T, R, dtype=torch.int32)
-        off = send_pos.to(torch.int64).clamp(min=0).contiguous()
+        # At rank j this rank's tokens are segment `me` (rows from each source are contiguous);
+        # a token's offset there is its index among this rank's tokens sent to j.
+        seg = torch.full((T, R), self.rank, dtype=torch.int32)
+        off = (is_token_in_rank.to(torch.int64).cumsum(dim=0) - 1).clamp(min=0).contiguous()
+        segments = segments_table(rank_prefix_matrix[:, self.rank], torch.arange(R))
         add = None
         if bias is not None:
             parts = bias if isinstance(bias, (tuple, list)) else (bias,)
@@ -295,9 +298,8 @@ class Buffer:
                 add = parts[0].to(torch.float32)
                 for b in parts[1:]:
                     add = add + b.to(torch.float32)
-        zero = torch.zeros(1, dtype=torch.int64)
         combined = self.backend.moe_empty([T, x.shape[1]], x.dtype)
-        w1 = self.backend.moe_combine(error="", rows=x.contiguous(), seg_base=zero, quant=False, plan_peer=peer,
+        w1 = self.backend.moe_combine(error="", rows=x.contiguous(), segments=segments, quant=False, plan_peer=peer,
                                       plan_seg=seg, plan_off=off, plan_weight=None,
                                       add=None if add is None else add.contiguous(), add_first=True, out=combined)
         works = [w1]
@@ -305,7 +307,7 @@ class Buffer:
         if topk_weights is not None:
             combined_w = torch.empty(T, topk_weights.shape[1], dtype=torch.float32)
             works.append(self.backend.moe_combine(
-                error="", rows=topk_weights.to(torch.float32).contiguous(), seg_base=zero, quant=False,
+                error="", rows=topk_weights.to(torch.float32).contiguous(), segments=segments, quant=False,
                 plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=None, add=None, add_first=True,
                 out=combined_w))
 
@@ -406,7 +408,9 @@ class Buffer:
         slab = max_tokens * R
         T, K = topk_idx.shape
         begins = (layout_range >> 32).to(torch.int64)
-        seg_base = (torch.arange(L, dtype=torch.int64).view(L, 1) * slab + begins).view(-1).contiguous()
+        counts = (layout_range & 0xFFFFFFFF).to(torch.int64)
+        segments = torch.stack([(torch.arange(L, dtype=torch.int64).view(L, 1) * slab + begins).view(-1),
+                                counts.view(-1), torch.arange(R).repeat(L)], dim=1).contiguous()
         idx = topk_idx.to(torch.int64)
         valid = idx >= 0
         e = idx.clamp(min=0)
@@ -417,7 +421,7 @@ class Buffer:
         combined = out if out is not None else self.backend.moe_empty([T, H], x.dtype)
         rows = x.reshape(L * slab, H)
         work = self.backend.moe_combine(
-            error="", rows=rows if rows.is_contiguous() else rows.contiguous(), seg_base=seg_base,
+            error="", rows=rows if rows.is_contiguous() else rows.contiguous(), segments=segments,
             quant=False, plan_peer=peer, plan_seg=seg, plan_off=off,
             plan_weight=topk_weights.to(torch.float32).contiguous(), add=None, add_first=True,
             out=combined)

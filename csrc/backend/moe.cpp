@@ -102,7 +102,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::ch
     need(a.rows.is_contiguous() && a.rows.dim() == 2 && kernels::moe_row_dtype_supported(a.rows.scalar_type()),
          op, rank_, cam::str("expert output rows must be a contiguous 2-D float32, bfloat16 or float16 tensor, got ",
                         a.rows.scalar_type(), " of shape ", a.rows.sizes()));
-    need_tensor(a.seg_base, op, rank_, "segment bases", at::kLong, 1);
+    need_tensor(a.segments, op, rank_, "segments", at::kLong, 2);
+    need(a.segments.size(1) == 3, op, rank_, "segments must be (n, 3): first row, rows, owner rank");
     need(a.out.is_contiguous() && a.out.dim() == 2 && kernels::moe_row_dtype_supported(a.out.scalar_type()) &&
              a.out.size(1) == a.rows.size(1),
          op, rank_, "the output must be a contiguous float tensor of the rows' hidden size");

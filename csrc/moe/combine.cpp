@@ -6,8 +6,9 @@
 
 namespace cam {
 
-// What a rank stages for combine: the rows it serves (or their int8 form and scales) and the
-// first row of each segment. Offsets are into the owner's tensor arena.
+// What a rank stages for combine: the rows it serves to other ranks (or the int8 form and
+// scales of all its rows) at their row numbers, and its segment table [first row, rows, owner].
+// Offsets are into the owner's tensor arena.
 struct alignas(64) MoeCombineHeader {
   char error[kMoeErrorBytes];
   int64_t rows, hidden, row_bytes, nseg;
@@ -24,7 +25,7 @@ MoeCombineOp::MoeCombineOp(uint64_t seq, Clock::time_point deadline, MoeStage* s
 void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
   const bool ok = a_.error.empty();
   const int64_t n = ok ? a_.rows.size(0) : 0, H = ok ? a_.rows.size(1) : 0;
-  const int64_t nseg = ok ? a_.seg_base.numel() : 0;
+  const int64_t nseg = ok ? a_.segments.size(0) : 0;
   const auto dtype = ok ? a_.rows.scalar_type() : at::kFloat;
   const int64_t row_bytes = a_.quant ? H : H * int64_t(c10::elementSize(dtype));
   const int64_t rows_heap =
@@ -32,7 +33,7 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
   in_place_ = rows_heap >= 0;
   int64_t off = stage_align(sizeof(MoeCombineHeader));
   const int64_t seg_at = off;
-  off += stage_align(nseg * 8);
+  off += stage_align(nseg * 24);
   const int64_t scales_at = off;
   off += stage_align(a_.quant ? n * 4 : 0);
   const int64_t rows_at = off;
@@ -52,7 +53,7 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
   h->seg_off = base + seg_at;
   h->scales_off = base + scales_at;
   h->rows_off = in_place_ ? rows_heap : base + rows_at;
-  kernels::copy_bytes(s + seg_at, a_.seg_base.data_ptr(), nseg * 8);
+  kernels::copy_bytes(s + seg_at, a_.segments.data_ptr(), nseg * 24);
   const char* src = static_cast<const char*>(a_.rows.data_ptr());
   const int64_t src_bytes = H * int64_t(c10::elementSize(dtype));
   if (a_.quant) {
@@ -63,8 +64,16 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
     }
     ctx.stats.add(ctx.stats.staged_bytes, n * row_bytes);
   } else if (!in_place_) {
-    kernels::copy_bytes(s + rows_at, src, n * row_bytes);
-    ctx.stats.add(ctx.stats.staged_bytes, n * row_bytes);
+    // Only rows another rank reads: this rank reads its own tokens' rows from `rows` itself.
+    const int64_t* seg = a_.segments.data_ptr<int64_t>();
+    for (int64_t i = 0; i < nseg; ++i) {
+      const int64_t first = seg[3 * i], count = seg[3 * i + 1];
+      if (seg[3 * i + 2] == ctx.rank || count <= 0) continue;
+      TORCH_CHECK(first >= 0 && first + count <= n, where(ctx.rank), ": segment ", i, " [", first, ", ",
+                  first + count, ") lies outside the ", n, " rows served");
+      kernels::copy_bytes(s + rows_at + first * row_bytes, src + first * row_bytes, count * row_bytes);
+      ctx.stats.add(ctx.stats.staged_bytes, count * row_bytes);
+    }
   }
 }
 
@@ -104,11 +113,16 @@ void MoeCombineOp::validate(Context& ctx, const std::vector<const CollDesc*>& de
       bad(str("names segment ", seg[i], " of rank ", p, ", which serves ", h.nseg,
               " segments (ep_send_counts / handle from another dispatch?)"));
     }
-    const int64_t row = reinterpret_cast<const int64_t*>(ctx.peer_heap(p, h.seg_off))[seg[i]] + off[i];
-    if (off[i] < 0 || row < 0 || row >= h.rows) {
-      bad(str("names row ", row, " of rank ", p, ", which returns ", h.rows,
-              " rows (expand_idx / handle from another dispatch, or expand_x shorter than dispatch "
-              "produced?)"));
+    const int64_t* sg = reinterpret_cast<const int64_t*>(ctx.peer_heap(p, h.seg_off)) + 3 * seg[i];
+    const int64_t row = sg[0] + off[i];
+    if (off[i] < 0 || off[i] >= sg[1] || row < 0 || row >= h.rows) {
+      bad(str("names row ", off[i], " of segment ", seg[i], " of rank ", p, ", which holds ", sg[1],
+              " rows there and returns ", h.rows, " in all (expand_idx / handle from another "
+              "dispatch, or expand_x shorter than dispatch produced?)"));
+    }
+    if (sg[2] != ctx.rank) {
+      bad(str("names segment ", seg[i], " of rank ", p, ", which holds rank ", sg[2],
+              "'s tokens, not this rank's"));
     }
   }
 }
@@ -126,6 +140,7 @@ bool MoeCombineOp::data_step(Context& ctx) {
     const auto add_dtype = add ? a_.add.scalar_type() : out_dtype;
     const int64_t add_row = H * int64_t(c10::elementSize(add_dtype));
     const int64_t out_row = H * int64_t(c10::elementSize(out_dtype));
+    const char* own = static_cast<const char*>(a_.rows.data_ptr());
     std::vector<const void*> rows(static_cast<size_t>(P));
     std::vector<c10::ScalarType> dtypes(static_cast<size_t>(P));
     std::vector<float> weights(static_cast<size_t>(P)), scales(static_cast<size_t>(P));
@@ -137,9 +152,10 @@ bool MoeCombineOp::data_step(Context& ctx) {
         const int p = peer[i];
         if (p < 0) continue;
         const MoeCombineHeader& h = *peers_[p];
-        const int64_t row = reinterpret_cast<const int64_t*>(ctx.peer_heap(p, h.seg_off))[seg[i]] + off[i];
+        const int64_t row = reinterpret_cast<const int64_t*>(ctx.peer_heap(p, h.seg_off))[3 * seg[i]] + off[i];
         const int k = src.count++;
-        rows[k] = ctx.peer_heap(p, h.rows_off) + row * h.row_bytes;
+        // This rank's own rows were not staged (unless quantized): read them where they are.
+        rows[k] = (p == ctx.rank && !h.quant ? own : ctx.peer_heap(p, h.rows_off)) + row * h.row_bytes;
         dtypes[k] = h.quant ? at::kChar : c10::ScalarType(h.row_dtype);
         scales[k] = h.quant ? reinterpret_cast<const float*>(ctx.peer_heap(p, h.scales_off))[row] : 1.f;
         weights[k] = weight ? weight[i] : 1.f;

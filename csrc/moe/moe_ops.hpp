@@ -11,9 +11,10 @@
 //             weights; receiver d walks (local expert j, source rank, source token order) and
 //             pulls each routed row to its position (compact, or per-expert slabs), int8
 //             quantization with per-expert smooth scales fused into the pull
-//   combine   each rank stages the rows it computed (optionally int8-quantized for transport)
-//             and a table of segment bases; a token owner pulls the rows its plan names
-//             (peer, segment, offset, weight), accumulates w * row in fp32 and rounds once
+//   combine   each rank stages the rows it computed for other ranks' tokens (optionally
+//             int8-quantized for transport) and a table of segments; a token owner pulls the
+//             rows its plan names (peer, segment, offset, weight) - its own straight from its
+//             tensor - accumulates w * row in fp32 and rounds once
 //
 // Rows a rank passes that already live in its tensor heap (torch_cam.empty) are read in place
 // instead of being staged; such a rank then waits until every peer has finished reading them.
@@ -91,7 +92,8 @@ class MoeDispatchOp final : public MoeOp {
 struct MoeCombineArgs {
   std::string error;
   at::Tensor rows;            // (n, H) float32/bf16/fp16 contiguous: the rows this rank serves
-  at::Tensor seg_base;        // (nseg,) int64: first row of each segment of `rows`
+  at::Tensor segments;        // (nseg, 3) int64: [first row, rows, source rank] of each segment
+                              // of `rows` (the source rank is the token owner that reads them)
   bool quant = false;         // stage rows as int8 + scale (transport quantization)
   at::Tensor plan_peer;       // (T, P) int32: rank holding the row, -1 = none
   at::Tensor plan_seg;        // (T, P) int32: segment at that rank

@@ -96,14 +96,14 @@ PYBIND11_MODULE(_C, m) {
           "MoE dispatch (see torch_cam/moe.py); returns a Work")
       .def(
           "moe_combine",
-          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor seg_base,
+          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor segments,
              bool quant, at::Tensor plan_peer, at::Tensor plan_seg, at::Tensor plan_off,
              std::optional<at::Tensor> plan_weight, std::optional<at::Tensor> add, bool add_first,
              at::Tensor out, double timeout_s) {
             cam::MoeCombineArgs a;
             a.error = error;
             a.rows = rows;
-            a.seg_base = seg_base;
+            a.segments = segments;
             a.quant = quant;
             a.plan_peer = plan_peer;
             a.plan_seg = plan_seg;
@@ -114,7 +114,7 @@ PYBIND11_MODULE(_C, m) {
             a.out = out;
             return b.moe_combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
-          py::arg("error"), py::arg("rows"), py::arg("seg_base"), py::arg("quant"), py::arg("plan_peer"),
+          py::arg("error"), py::arg("rows"), py::arg("segments"), py::arg("quant"), py::arg("plan_peer"),
           py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
           py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE combine (see torch_cam/moe.py); returns a Work")
