@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine (Python 3.10+, a C++ compiler, cmake):
-#   make demo   set up, build, run examples/demo.py on 4 ranks under torchrun
+#   make demo   set up, build, run examples/demo.py and examples/moe_layer.py on 4 ranks under torchrun
 #   make test   set up, build, run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,12 +23,14 @@ build: setup
 
 demo: build
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/demo.py
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/moe_layer.py
 
 test: build
 	bash tests/run_all.sh $(PY)
 
 bench: build
 	$(PY) benchmarks/bench_collectives.py --ranks 2 4 8
+	$(PY) benchmarks/bench_moe.py --ranks 2 4 8
 
 clean:
 	rm -rf build torch_cam/_C*.so *.egg-info

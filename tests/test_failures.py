@@ -27,6 +27,11 @@ def _killed_mid_op(rank, world_size, init_file, op):
           pg_options={"single_copy_bytes": 1 << 20} if op == "all_to_all_single_copy" else None)
     dist.barrier()
     if rank == world_size - 1:
+        if op == "moe_combine":
+            import torch_cam
+            ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) % (2 * world_size)
+            torch_cam.moe_distribute_dispatch(torch.ones(2, 64, dtype=torch.bfloat16), ids, None, world_size,
+                                              rank, 2 * world_size)
         time.sleep(0.3)  # let the others enter the op and wait on this rank
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
@@ -40,6 +45,17 @@ def _killed_mid_op(rank, world_size, init_file, op):
             dist.all_to_all_single(torch.empty(n), torch.ones(n))
         elif op == "recv":
             dist.recv(torch.empty(10), world_size - 1)
+        elif op in ("moe_dispatch", "moe_combine"):
+            import torch_cam
+            ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) % (2 * world_size)
+            x = torch.ones(2, 64, dtype=torch.bfloat16)
+            if op == "moe_combine":
+                # Every rank has dispatched; the dead rank dies before its combine.
+                out = torch_cam.moe_distribute_dispatch(x, ids, None, world_size, rank, 2 * world_size)
+                torch_cam.moe_distribute_combine(out[0], ids, out[2], out[4], None, None, world_size, rank,
+                                                 2 * world_size)
+            else:
+                torch_cam.moe_distribute_dispatch(x, ids, None, world_size, rank, 2 * world_size)
     except RuntimeError as e:
         elapsed = time.monotonic() - start
         # A later op fails at once with the same cause.
@@ -76,6 +92,12 @@ class PeerDeathTest(unittest.TestCase):
 
     def test_killed_during_recv(self):
         self._check("recv")
+
+    def test_killed_during_moe_dispatch(self):
+        self._check("moe_dispatch")
+
+    def test_killed_during_moe_combine(self):
+        self._check("moe_combine")
 
 
 def _silent_peer(rank, world_size, init_file):

@@ -35,8 +35,10 @@ class Options:
     #: synchronisation instead of two).
     eager_max_bytes: int = 64 << 10
     #: Freed MoE outputs (expand_x, combined tokens) kept per group for reuse, at most this
-    #: many bytes: reusing them spares every call the page faults of fresh large allocations.
-    moe_output_cache_bytes: int = 512 << 20
+    #: many bytes of address space: reusing them spares every call the page faults of fresh
+    #: large allocations. Only the pages calls actually wrote are resident (expand_x is sized
+    #: for the worst case, e.g. 1 GiB at 8 ranks x 4096 tokens x H 2048, mostly untouched).
+    moe_output_cache_bytes: int = 2 << 30
     #: "auto" (by size), or force "one_shot" / "two_shot".
     allreduce_algo: str = "auto"
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that

@@ -36,7 +36,7 @@ struct CamConfig {
   int64_t one_shot_max_bytes = 256ll << 10;
   AllReduceAlgo allreduce_algo = AllReduceAlgo::kAuto;
   // Freed MoE outputs kept for reuse (per group), so calls do not page-fault fresh memory.
-  int64_t moe_output_cache_bytes = 512ll << 20;
+  int64_t moe_output_cache_bytes = 2ll << 30;
   // One-shot all_reduce up to this size goes eager: the input is copied into the window before
   // the descriptor is published, so the descriptor exchange is the only synchronisation.
   int64_t eager_max_bytes = 64ll << 10;
