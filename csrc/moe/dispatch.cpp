@@ -55,7 +55,7 @@ struct alignas(64) MoeDispatchHeader {
   char error[kMoeErrorBytes];
   int64_t tokens, topk, num_experts, width_bytes, aux_bytes, max_tokens, capacity, slab_rows;
   int32_t shared_ranks, experts_per_rank, quant, has_weights, row_dtype, hidden;
-  int64_t rows_off, ids_off, weights_off, csr_off, entries_off, aux_off, active_off;
+  int64_t rows_off, weights_off, csr_off, entries_off, aux_off, active_off;
   // Quantization without smooth scales gives a token the same int8 row for every expert, so
   // the sender quantizes each token once and stages int8 rows (H bytes) plus their scales.
   int32_t prequant, pad;
@@ -91,14 +91,13 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t rows_heap =
       ok && T > 0 && !prequant ? ctx.heap_offset(a_.rows.data_ptr(), int64_t(a_.rows.nbytes())) : -1;
   in_place_ = rows_heap >= 0;
-  // Stage layout: header | ids | weights | csr | entries | aux | active | rows (unless in place)
+  // Stage layout: header | weights | csr | entries | aux | active | scales | rows (unless in place)
   int64_t off = stage_align(sizeof(MoeDispatchHeader));
   auto place = [&](int64_t bytes) {
     const int64_t at = off;
     off += stage_align(bytes);
     return at;
   };
-  const int64_t ids_at = place(T * K * 4);
   const int64_t w_at = place(ok && a_.weights.defined() ? T * K * 4 : 0);
   const int64_t csr_at = place((M + 1) * 4);
   const int64_t ent_at = place(T * K * 4);
@@ -126,7 +125,6 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   h->has_weights = a_.weights.defined();
   h->row_dtype = int32_t(a_.rows.scalar_type());
   h->hidden = int32_t(a_.rows.size(1));
-  h->ids_off = base + ids_at;
   h->weights_off = base + w_at;
   h->csr_off = base + csr_at;
   h->entries_off = base + ent_at;
@@ -136,7 +134,6 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   h->prequant = prequant;
   h->scales_off = base + scales_at;
   const int32_t* ids = a_.ids.data_ptr<int32_t>();
-  kernels::copy_bytes(s + ids_at, ids, T * K * 4);
   if (h->has_weights) kernels::copy_bytes(s + w_at, a_.weights.data_ptr(), T * K * 4);
   if (aux > 0) kernels::copy_bytes(s + aux_at, a_.aux.data_ptr(), T * aux);
   kernels::copy_bytes(s + act_at, a_.token_active.data_ptr(), T);
@@ -244,15 +241,11 @@ void MoeDispatchOp::validate(Context& ctx, const std::vector<const CollDesc*>& d
     if (d < S) {
       for (int src = 0; src < W; ++src) {
         const MoeDispatchHeader& p = *peers_[src];
+        if (src != d && src < S) continue;  // shared ranks send each other nothing
         const auto* act = reinterpret_cast<const uint8_t*>(ctx.peer_heap(src, p.active_off));
-        int64_t lo = 0, hi = p.tokens;
-        if (src == d) {
-        } else if (src >= S) {
-          lo = shared_lo(src, d, p.tokens, S);
-          hi = shared_lo(src, d + 1, p.tokens, S);
-        } else {
-          continue;
-        }
+        const bool own = src == d;  // its own tokens, all of them
+        const int64_t lo = own ? 0 : shared_lo(src, d, p.tokens, S);
+        const int64_t hi = own ? p.tokens : shared_lo(src, d + 1, p.tokens, S);
         for (int64_t t = lo; t < hi; ++t) total += act[t] != 0;
       }
     } else {
