@@ -85,8 +85,10 @@ class MoeCases(CamProcessGroupCase):
                   quant_mode=quant, global_bs=global_bs, expert_token_nums_type=ent_type)
         if tp:
             kw.update(group_tp=tp_group, tp_world_size=tp, tp_rank_id=g_me % tp)
+        perf = torch.zeros(W, dtype=torch.int64)
         if v2:
-            kw.update(zero_expert_num=zero_n, copy_expert_num=copy_n, const_expert_num=const_n)
+            kw.update(zero_expert_num=zero_n, copy_expert_num=copy_n, const_expert_num=const_n,
+                      performance_info=perf)
             out = torch_cam.moe_distribute_dispatch_v2(xs[g_me], ids[g_me], pg, W, r, M, **kw)
         else:
             out = torch_cam.moe_distribute_dispatch(xs[g_me], ids[g_me], pg, W, r, M, **kw)
@@ -115,6 +117,8 @@ class MoeCases(CamProcessGroupCase):
             n_own = int(counts[len(counts) // max(tp, 1) - 1])
             self.assertTrue(torch.equal(mine[:n_own], theirs[:n_own]), what)
             self.assertEqual(A, idx.numel() // 128)
+            self.assertEqual(int(perf[r]), 0, "no wait for itself")
+            self.assertTrue(bool((perf >= 0).all()), perf)
         else:
             self.assertTrue(torch.equal(idx, want["expand_idx"]), what)
 
@@ -221,6 +225,21 @@ class MoeCases(CamProcessGroupCase):
             sizes.append(torch_cam.get_cam_backend().stats()["moe_stage_bytes"])
         # Sized by the largest call: once both halves have seen both loads, nothing grows.
         self.assertEqual(sizes[2:], [sizes[2]] * 4, sizes)
+
+    def test_performance_info_names_the_late_rank(self):
+        W, r = self.world_size, self.rank
+        x = tokens(4, torch.bfloat16, r)
+        ids = routing(4, 2, 2 * W, 80 + r)
+        perf = torch.zeros(W, dtype=torch.int64)
+        dist.barrier()
+        if r == W - 1:
+            time.sleep(0.3)
+        out = torch_cam.moe_distribute_dispatch_v2(x, ids, self.pg, W, r, 2 * W, performance_info=perf)
+        torch_cam.moe_distribute_combine_v2(out[0], ids, out[2], out[4], None, self.pg, W, r, 2 * W,
+                                            performance_info=perf)
+        if r != W - 1:
+            self.assertGreater(int(perf[W - 1]), 150_000, perf)
+            self.assertEqual(int(perf.argmax()), W - 1, perf)
 
     def test_group_name_and_cam_names(self):
         W, r = self.world_size, self.rank

@@ -146,6 +146,14 @@ def _check_layout(c: _Checks, W: int, rank: int, ep_world_size, ep_rank_id, moe_
     c.require(tp_world_size in (0, 1, 2), lambda: f"tp_world_size must be 0, 1 or 2, got {tp_world_size}")
 
 
+def _check_performance_info(c: _Checks, info, W: int) -> None:
+    if info is not None:
+        c.require(isinstance(info, torch.Tensor) and info.dtype == torch.int64 and info.shape == (W,)
+                  and info.is_contiguous(),
+                  lambda: f"performance_info must be a contiguous int64 tensor of {W} entries (one per EP "
+                          f"rank), got {getattr(info, 'dtype', type(info))} of shape {tuple(getattr(info, 'shape', ()))}")
+
+
 def _active_entries(c: _Checks, ids: torch.Tensor, mask, special: int, M: int):
     """(routed ids with -1 where inactive or special, token activity, entry activity per the mask)."""
     BS, K = ids.shape
@@ -169,7 +177,7 @@ def _active_entries(c: _Checks, ids: torch.Tensor, mask, special: int, M: int):
 def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales,
               x_active_mask, expert_scales, group_tp, tp_world_size, tp_rank_id, expert_shard_type,
               shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
-              expert_token_nums_type, special=0, v2=False):
+              expert_token_nums_type, special=0, v2=False, performance_info=None):
     pg = resolve_group(group_ep)
     backend = get_cam_backend(pg)
     W, rank = pg.size(), pg.rank()
@@ -201,6 +209,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
         c.require(isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (BS, K),
                   lambda: f"expert_scales must be float32 ({BS}, {K}), got {tuple(expert_scales.shape)}")
     smooth = None
+    _check_performance_info(c, performance_info, W)
     if scales is not None and quant_mode == 2:
         rows_needed = M + (1 if S > 0 else 0)
         c.require(isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] >= rows_needed
@@ -230,7 +239,8 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
         aux=None, token_active=token_active, smooth=smooth, smooth_shift=1 if S > 0 else 0,
         num_experts=M, shared_ranks=S, experts_per_rank=L, quant=quant, slab_rows=0,
         max_tokens=max_bs if global_bs else 0, out_rows=expand_x[:A], out_scales=dynamic_scales,
-        out_weights=expand_scales, out_info=info, info_stride=stride, out_aux=None, out_counts=counts).wait()
+        out_weights=expand_scales, out_info=info, info_stride=stride, out_aux=None, out_counts=counts,
+        wait_us=performance_info).wait()
     n_own = int(counts[-1]) if counts.numel() else 0
     ep_recv_counts, tp_recv_counts = counts, torch.tensor([n_own], dtype=torch.int32)
     if T == 2:
@@ -300,8 +310,9 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     """``torch_npu.npu_moe_distribute_dispatch_v2`` on a cam group: as v1, with
     ``assist_info_for_combine`` (row i: [source rank, source token, top-k slot]) in place of
     ``expand_idx``, and special experts (ids from moe_expert_num on: zero, copy, const) that are
-    not communicated. ``comm_alg`` and ``elastic_info`` are accepted and ignored (one algorithm;
-    no elastic shrink); ``performance_info`` is left untouched."""
+    not communicated. ``comm_alg`` is accepted and ignored (one algorithm); ``performance_info``
+    (int64, one entry per EP rank) accumulates the microseconds this rank waited for each
+    peer to arrive."""
     if elastic_info is not None:
         raise ValueError("cam moe_distribute_dispatch_v2: elastic_info (elastic EP shrink) is not supported")
     special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
@@ -311,7 +322,8 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
                      tp_rank_id=tp_rank_id, expert_shard_type=expert_shard_type,
                      shared_expert_num=shared_expert_num, shared_expert_rank_num=shared_expert_rank_num,
                      quant_mode=quant_mode, global_bs=global_bs,
-                     expert_token_nums_type=expert_token_nums_type, special=special, v2=True)
+                     expert_token_nums_type=expert_token_nums_type, special=special, v2=True,
+                     performance_info=performance_info)
 
 
 # ---- combine -----------------------------------------------------------------------------------
@@ -321,7 +333,8 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
              shared_expert_x, group_tp, tp_world_size, tp_rank_id, expert_shard_type,
              shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode, v2,
              zero_expert_num=0, copy_expert_num=0, const_expert_num=0, ori_x=None,
-             const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None):
+             const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None,
+             performance_info=None):
     pg = resolve_group(group_ep)
     backend = get_cam_backend(pg)
     W, rank = pg.size(), pg.rank()
@@ -350,6 +363,7 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
               lambda: f"ep_send_counts must be dispatch's ep_recv_counts ({W * T * L_here} entries), got {counts.numel()}")
     if expert_scales is not None:
         c.require(expert_scales.shape == (BS, K), lambda: f"expert_scales must be ({BS}, {K}), got {tuple(expert_scales.shape)}")
+    _check_performance_info(c, performance_info, W)
     if not v2:
         c.require(isinstance(expand_idx, torch.Tensor) and expand_idx.numel() == BS * K,
                   lambda: f"expand_idx must be dispatch's ({BS * K},) expand_idx, got {tuple(getattr(expand_idx, 'shape', ()))}")
@@ -401,7 +415,8 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
     backend.moe_combine(
         error="", rows=rows.contiguous(), segments=segments_table(own, owners), quant=comm_quant_mode == 2,
         plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=weight,
-        add=None if add is None else add.contiguous(), add_first=False, out=out).wait()
+        add=None if add is None else add.contiguous(), add_first=False, out=out,
+        wait_us=performance_info).wait()
     if not bool(token_active.all()):
         out[~token_active] = 0
     return out
@@ -490,7 +505,7 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
                     zero_expert_num=zero_expert_num, copy_expert_num=copy_expert_num,
                     const_expert_num=const_expert_num, ori_x=ori_x,
                     const_expert_alpha_1=const_expert_alpha_1, const_expert_alpha_2=const_expert_alpha_2,
-                    const_expert_v=const_expert_v)
+                    const_expert_v=const_expert_v, performance_info=performance_info)
 
 
 # ---- CAM names (umdk_cam_op_lib) ---------------------------------------------------------------

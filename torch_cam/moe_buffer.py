@@ -356,7 +356,8 @@ class Buffer:
             aux=aux, token_active=torch.zeros(T, dtype=torch.bool), smooth=None, smooth_shift=0,
             num_experts=num_experts, shared_ranks=0, experts_per_rank=L, quant=False, slab_rows=slab,
             max_tokens=num_max_dispatch_tokens_per_rank, out_rows=recv.view(L * slab, H), out_scales=None,
-            out_weights=None, out_info=info, info_stride=3, out_aux=recv_aux, out_counts=counts)
+            out_weights=None, out_info=info, info_stride=3, out_aux=recv_aux, out_counts=counts,
+            wait_us=dispatch_wait_recv_cost_stats)
         recv_count = torch.empty(L, dtype=torch.int32)
         src_info = info.view(L, slab, 3)[:, :, 1]
         layout_range = torch.empty(L, R, dtype=torch.int64)
@@ -424,7 +425,7 @@ class Buffer:
             error="", rows=rows if rows.is_contiguous() else rows.contiguous(), segments=segments,
             quant=False, plan_peer=peer, plan_seg=seg, plan_off=off,
             plan_weight=topk_weights.to(torch.float32).contiguous(), add=None, add_first=True,
-            out=combined)
+            out=combined, wait_us=combine_wait_recv_cost_stats)
         event = EventOverlap(work)
         hook = event.wait
         if not (async_finish or return_recv_hook):

@@ -62,6 +62,11 @@ bool CollectiveOp::step(Context& ctx) {
     signal_release(L.desc_seq(ctx.me), seq());
     phase_ = Phase::kExchange;
     progress = true;
+    if (record_arrivals_) {
+      published_at_ = Clock::now();
+      arrival_us_.assign(ctx.world, -1);
+      arrival_us_[ctx.rank] = 0;
+    }
   }
   if (phase_ == Phase::kExchange) {
     if (name_all_missing_) {
@@ -69,6 +74,14 @@ bool CollectiveOp::step(Context& ctx) {
       missing_.clear();
       for (int p = 0; p < ctx.world; ++p) {
         if (p != ctx.rank && signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
+      }
+    }
+    if (record_arrivals_) {
+      const auto now = Clock::now();
+      for (int p = 0; p < ctx.world; ++p) {
+        if (arrival_us_[p] < 0 && signal_acquire(L.desc_seq(ctx.peer(p))) >= seq()) {
+          arrival_us_[p] = std::chrono::duration_cast<std::chrono::microseconds>(now - published_at_).count();
+        }
       }
     }
     for (; next_peer_ < ctx.world; ++next_peer_) {

@@ -53,6 +53,10 @@ class CollectiveOp : public Op {
   CollKind kind_;
   // monitored_barrier: a timeout names every rank that has not arrived, not just the first.
   bool name_all_missing_ = false;
+  // When set, arrival_us_[p] becomes how long after publishing this rank first saw peer p's
+  // descriptor (0 for itself): per-peer wait times, for slow-rank diagnosis.
+  bool record_arrivals_ = false;
+  std::vector<int64_t> arrival_us_;
 
  public:
   std::string waiting_for() const override;
@@ -62,6 +66,7 @@ class CollectiveOp : public Op {
   int my_rank_ = -1;
   enum class Phase { kPublish, kExchange, kData } phase_ = Phase::kPublish;
   int next_peer_ = 0;
+  Clock::time_point published_at_;
 };
 
 class BarrierOp final : public CollectiveOp {

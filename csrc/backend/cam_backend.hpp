@@ -135,6 +135,7 @@ class CamBackend : public c10d::Backend {
                                                    const char* title, std::vector<at::Tensor> inputs);
 
   MoeStage& moe_stage();
+  void check_wait_us(const at::Tensor& t, const char* op) const;
 
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)

@@ -22,6 +22,13 @@ void need_tensor(const at::Tensor& t, const char* op, int rank, const char* name
 }
 }  // namespace
 
+void CamBackend::check_wait_us(const at::Tensor& t, const char* op) const {
+  if (t.defined()) {
+    need_tensor(t, op, rank_, "performance_info", at::kLong, 1);
+    need(t.size(0) == size_, op, rank_, cam::str("performance_info must have ", size_, " entries (one per EP rank)"));
+  }
+}
+
 MoeStage& CamBackend::moe_stage() {
   std::lock_guard<std::mutex> lk(issue_mu_);
   if (!moe_stage_) moe_stage_ = std::make_unique<MoeStage>(engine_->heap().arena());
@@ -87,6 +94,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_dispatch(MoeDispatchArgs a, std::
                a.smooth.size(0)));
     }
   }
+  check_wait_us(a.wait_us, "moe_dispatch");
   MoeStage* stage = &moe_stage();
   auto dl = deadline(timeout);
   std::vector<at::Tensor> inputs;
@@ -123,6 +131,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::ch
            op, rank_, "the added rows must have the output's shape, and its dtype or float32");
     }
   }
+  check_wait_us(a.wait_us, "moe_combine");
   MoeStage* stage = &moe_stage();
   auto dl = deadline(timeout);
   std::vector<at::Tensor> inputs;

@@ -20,6 +20,7 @@ MoeCombineOp::MoeCombineOp(uint64_t seq, Clock::time_point deadline, MoeStage* s
                            MoeCombineArgs args)
     : MoeOp("moe_combine", CollKind::kMoeCombine, seq, deadline), stage_(stage), a_(std::move(args)) {
   outputs_ = {a_.out};
+  record_arrivals_ = a_.wait_us.defined();
 }
 
 void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
@@ -165,6 +166,7 @@ bool MoeCombineOp::data_step(Context& ctx) {
                                 out + t * out_row, H);
     }
     ctx.stats.add(ctx.stats.heap_read_bytes, moved);
+    add_wait_times(a_.wait_us);
     pulled_ = true;
   }
   return release_and_wait(ctx);

@@ -24,6 +24,12 @@ void MoeOp::check_errors(Context& ctx, const std::vector<const char*>& texts) {
   }
 }
 
+void MoeOp::add_wait_times(const at::Tensor& wait_us) const {
+  if (!wait_us.defined() || arrival_us_.empty()) return;
+  int64_t* w = wait_us.data_ptr<int64_t>();
+  for (size_t p = 0; p < arrival_us_.size(); ++p) w[p] += std::max<int64_t>(arrival_us_[p], 0);
+}
+
 bool MoeOp::release_and_wait(Context& ctx) {
   const WindowLayout& L = ctx.L;
   bool progress = false;
@@ -79,6 +85,7 @@ MoeDispatchOp::MoeDispatchOp(uint64_t seq, Clock::time_point deadline, MoeStage*
                              MoeDispatchArgs args)
     : MoeOp("moe_dispatch", CollKind::kMoeDispatch, seq, deadline), stage_(stage), a_(std::move(args)) {
   outputs_ = {a_.out_rows};
+  record_arrivals_ = a_.wait_us.defined();
 }
 
 void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
@@ -354,6 +361,7 @@ bool MoeDispatchOp::data_step(Context& ctx) {
       }
     }
     ctx.stats.add(ctx.stats.heap_read_bytes, moved);
+    add_wait_times(a_.wait_us);
     pulled_ = true;
   }
   return release_and_wait(ctx);

@@ -38,6 +38,8 @@ class MoeOp : public CollectiveOp {
   static bool publish_error(const std::string& error, char* text);
   // Refuses when any rank published an input error.
   void check_errors(Context& ctx, const std::vector<const char*>& texts);
+  // Adds each peer's wait (see CollectiveOp::arrival_us_) to `wait_us`, if defined.
+  void add_wait_times(const at::Tensor& wait_us) const;
   // After pulling: tell every peer; a rank whose rows were read in place is done only once
   // every peer has said so (the caller may overwrite them as soon as the op completes).
   bool release_and_wait(Context& ctx);
@@ -71,6 +73,7 @@ struct MoeDispatchArgs {
   int64_t info_stride = 3;
   at::Tensor out_aux;         // (cap, aux_bytes) uint8 or undefined
   at::Tensor out_counts;      // (W * local experts,) int32: inclusive running sums
+  at::Tensor wait_us;         // (W,) int64 or undefined: per-peer wait (us) added on success
 };
 
 class MoeDispatchOp final : public MoeOp {
@@ -102,6 +105,7 @@ struct MoeCombineArgs {
   at::Tensor add;             // (T, H) float32 or out dtype, or undefined: added unweighted
   bool add_first = false;     // add before the pulled rows (else after them)
   at::Tensor out;             // (T, H) float32/bf16/fp16
+  at::Tensor wait_us;         // (W,) int64 or undefined: per-peer wait (us) added on success
 };
 
 class MoeCombineOp final : public MoeOp {

@@ -62,7 +62,7 @@ PYBIND11_MODULE(_C, m) {
              int64_t max_tokens, at::Tensor out_rows, std::optional<at::Tensor> out_scales,
              std::optional<at::Tensor> out_weights, std::optional<at::Tensor> out_info,
              int64_t info_stride, std::optional<at::Tensor> out_aux, at::Tensor out_counts,
-             double timeout_s) {
+             std::optional<at::Tensor> wait_us, double timeout_s) {
             cam::MoeDispatchArgs a;
             a.error = error;
             a.rows = rows;
@@ -85,6 +85,7 @@ PYBIND11_MODULE(_C, m) {
             a.info_stride = info_stride;
             a.out_aux = out_aux.value_or(at::Tensor());
             a.out_counts = out_counts;
+            a.wait_us = wait_us.value_or(at::Tensor());
             return b.moe_dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
           py::arg("error"), py::arg("rows"), py::arg("ids"), py::arg("weights"), py::arg("aux"),
@@ -92,14 +93,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("shared_ranks"), py::arg("experts_per_rank"), py::arg("quant"), py::arg("slab_rows"),
           py::arg("max_tokens"), py::arg("out_rows"), py::arg("out_scales"), py::arg("out_weights"),
           py::arg("out_info"), py::arg("info_stride"), py::arg("out_aux"), py::arg("out_counts"),
-          py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+          py::arg("wait_us") = py::none(), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE dispatch (see torch_cam/moe.py); returns a Work")
       .def(
           "moe_combine",
           [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor segments,
              bool quant, at::Tensor plan_peer, at::Tensor plan_seg, at::Tensor plan_off,
              std::optional<at::Tensor> plan_weight, std::optional<at::Tensor> add, bool add_first,
-             at::Tensor out, double timeout_s) {
+             at::Tensor out, std::optional<at::Tensor> wait_us, double timeout_s) {
             cam::MoeCombineArgs a;
             a.error = error;
             a.rows = rows;
@@ -112,11 +113,12 @@ PYBIND11_MODULE(_C, m) {
             a.add = add.value_or(at::Tensor());
             a.add_first = add_first;
             a.out = out;
+            a.wait_us = wait_us.value_or(at::Tensor());
             return b.moe_combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
           py::arg("error"), py::arg("rows"), py::arg("segments"), py::arg("quant"), py::arg("plan_peer"),
           py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
-          py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+          py::arg("wait_us") = py::none(), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE combine (see torch_cam/moe.py); returns a Work")
       .def(
           "moe_empty",
