@@ -294,6 +294,35 @@ class Moe2(MoeCases, MultiProcContinuousTest):
     world_size = 2
 
 
+    def test_memory_bounded(self):
+        """Resident memory after many dispatch/combine calls equals that after the first ones:
+        the stage, the output pool and the plans do not grow per call."""
+        W, r = self.world_size, self.rank
+        x = tokens(32, torch.bfloat16, r, h=1024)
+        w = weights(32, 4, r)
+
+        def rss_kib():
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+        def layers(n):
+            for i in range(n):
+                ids = routing(32, 4, 4 * W, 1000 * r + i % 7)
+                out = torch_cam.moe_distribute_dispatch(x, ids, self.pg, W, r, 4 * W, expert_scales=w,
+                                                        quant_mode=2 * (i % 2))
+                y = out[0] if i % 2 == 0 else (out[0].float() * out[1][:, None]).to(torch.bfloat16)
+                torch_cam.moe_distribute_combine(y, ids, out[2], out[4], w, self.pg, W, r, 4 * W)
+
+        layers(100)
+        before = rss_kib()
+        stats = torch_cam.get_cam_backend().stats()
+        layers(400)
+        grown = rss_kib() - before
+        after = torch_cam.get_cam_backend().stats()
+        self.assertEqual(after["moe_stage_bytes"], stats["moe_stage_bytes"])
+        self.assertLessEqual(after["moe_output_cache_bytes"], stats["moe_output_cache_bytes"] + (1 << 20))
+        self.assertLess(grown, 4096, f"resident memory grew by {grown} KiB over 400 layers")
+
     def test_last_op_then_destroy(self):
         """A rank that finishes the group's last MoE op and destroys the group at once must not
         take the rows a slower peer is still reading with it. Rank 0 is frozen (SIGSTOP) after
