@@ -135,7 +135,8 @@ class CamBackend : public c10d::Backend {
                                                    const char* title, std::vector<at::Tensor> inputs);
 
   MoeStage& moe_stage();
-  void check_wait_us(const at::Tensor& t, const char* op) const;
+  template <typename MoeOpT, typename Args>
+  c10::intrusive_ptr<c10d::Work> launch_moe(const char* op, Args a, std::chrono::milliseconds timeout);
 
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)

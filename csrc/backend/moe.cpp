@@ -22,11 +22,20 @@ void need_tensor(const at::Tensor& t, const char* op, int rank, const char* name
 }
 }  // namespace
 
-void CamBackend::check_wait_us(const at::Tensor& t, const char* op) const {
-  if (t.defined()) {
-    need_tensor(t, op, rank_, "performance_info", at::kLong, 1);
-    need(t.size(0) == size_, op, rank_, cam::str("performance_info must have ", size_, " entries (one per EP rank)"));
+template <typename MoeOpT, typename Args>
+c10::intrusive_ptr<c10d::Work> CamBackend::launch_moe(const char* op, Args a, std::chrono::milliseconds timeout) {
+  if (a.wait_us.defined()) {
+    need_tensor(a.wait_us, op, rank_, "performance_info", at::kLong, 1);
+    need(a.wait_us.size(0) == size_, op, rank_,
+         cam::str("performance_info must have ", size_, " entries (one per EP rank)"));
   }
+  MoeStage* stage = &moe_stage();
+  auto dl = deadline(timeout);
+  std::vector<at::Tensor> inputs;
+  if (a.rows.defined()) inputs.push_back(a.rows);
+  return launch_collective(
+      [&](uint64_t seq) { return std::make_shared<MoeOpT>(seq, dl, stage, std::move(a)); },
+      c10d::OpType::ALLTOALL, MoeOpT::kTitle, std::move(inputs));
 }
 
 MoeStage& CamBackend::moe_stage() {
@@ -94,14 +103,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_dispatch(MoeDispatchArgs a, std::
                a.smooth.size(0)));
     }
   }
-  check_wait_us(a.wait_us, "moe_dispatch");
-  MoeStage* stage = &moe_stage();
-  auto dl = deadline(timeout);
-  std::vector<at::Tensor> inputs;
-  if (a.rows.defined()) inputs.push_back(a.rows);
-  return launch_collective(
-      [&](uint64_t seq) { return std::make_shared<MoeDispatchOp>(seq, dl, stage, std::move(a)); },
-      c10d::OpType::ALLTOALL, "cam:moe_dispatch", std::move(inputs));
+  return launch_moe<MoeDispatchOp>(op, std::move(a), timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::chrono::milliseconds timeout) {
@@ -131,14 +133,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::ch
            op, rank_, "the added rows must have the output's shape, and its dtype or float32");
     }
   }
-  check_wait_us(a.wait_us, "moe_combine");
-  MoeStage* stage = &moe_stage();
-  auto dl = deadline(timeout);
-  std::vector<at::Tensor> inputs;
-  if (a.rows.defined()) inputs.push_back(a.rows);
-  return launch_collective(
-      [&](uint64_t seq) { return std::make_shared<MoeCombineOp>(seq, dl, stage, std::move(a)); },
-      c10d::OpType::ALLTOALL, "cam:moe_combine", std::move(inputs));
+  return launch_moe<MoeCombineOp>(op, std::move(a), timeout);
 }
 
 int64_t CamBackend::moe_stage_bytes() const {

@@ -18,9 +18,9 @@ struct alignas(64) MoeCombineHeader {
 
 MoeCombineOp::MoeCombineOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage,
                            MoeCombineArgs args)
-    : MoeOp("moe_combine", CollKind::kMoeCombine, seq, deadline), stage_(stage), a_(std::move(args)) {
+    : MoeOp("moe_combine", CollKind::kMoeCombine, seq, deadline, stage, args.wait_us.defined()),
+      a_(std::move(args)) {
   outputs_ = {a_.out};
-  record_arrivals_ = a_.wait_us.defined();
 }
 
 void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {

@@ -83,9 +83,9 @@ inline int64_t shared_lo(int64_t r, int64_t c, int64_t T, int64_t S) {
 
 MoeDispatchOp::MoeDispatchOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage,
                              MoeDispatchArgs args)
-    : MoeOp("moe_dispatch", CollKind::kMoeDispatch, seq, deadline), stage_(stage), a_(std::move(args)) {
+    : MoeOp("moe_dispatch", CollKind::kMoeDispatch, seq, deadline, stage, args.wait_us.defined()),
+      a_(std::move(args)) {
   outputs_ = {a_.out_rows};
-  record_arrivals_ = a_.wait_us.defined();
 }
 
 void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {

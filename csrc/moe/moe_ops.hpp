@@ -27,11 +27,15 @@ namespace cam {
 
 constexpr size_t kMoeErrorBytes = 512;
 
-// What both ops share: the error a rank publishes for its own bad input, and the release
-// protocol of rows read in place.
+// What both ops share: the stage, the error a rank publishes for its own bad input, per-peer
+// wait times, and the release protocol of rows read in place.
 class MoeOp : public CollectiveOp {
  public:
-  using CollectiveOp::CollectiveOp;
+  MoeOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, MoeStage* stage,
+        bool record_waits)
+      : CollectiveOp(name, kind, seq, deadline), stage_(stage) {
+    record_arrivals_ = record_waits;
+  }
 
  protected:
   // Copies this rank's input error (if any) into the header text; returns whether there was one.
@@ -43,7 +47,9 @@ class MoeOp : public CollectiveOp {
   // After pulling: tell every peer; a rank whose rows were read in place is done only once
   // every peer has said so (the caller may overwrite them as soon as the op completes).
   bool release_and_wait(Context& ctx);
+  MoeStage* stage_;
   bool in_place_ = false;
+  bool pulled_ = false;
 
  private:
   bool released_ = false;
@@ -78,6 +84,7 @@ struct MoeDispatchArgs {
 
 class MoeDispatchOp final : public MoeOp {
  public:
+  static constexpr const char* kTitle = "cam:moe_dispatch";
   MoeDispatchOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage, MoeDispatchArgs args);
 
  protected:
@@ -86,10 +93,8 @@ class MoeDispatchOp final : public MoeOp {
   bool data_step(Context& ctx) override;
 
  private:
-  MoeStage* stage_;
   MoeDispatchArgs a_;
   std::vector<const struct MoeDispatchHeader*> peers_;
-  bool pulled_ = false;
 };
 
 struct MoeCombineArgs {
@@ -110,6 +115,7 @@ struct MoeCombineArgs {
 
 class MoeCombineOp final : public MoeOp {
  public:
+  static constexpr const char* kTitle = "cam:moe_combine";
   MoeCombineOp(uint64_t seq, Clock::time_point deadline, MoeStage* stage, MoeCombineArgs args);
 
  protected:
@@ -118,10 +124,8 @@ class MoeCombineOp final : public MoeOp {
   bool data_step(Context& ctx) override;
 
  private:
-  MoeStage* stage_;
   MoeCombineArgs a_;
   std::vector<const struct MoeCombineHeader*> peers_;
-  bool pulled_ = false;
 };
 
 }  // namespace cam
