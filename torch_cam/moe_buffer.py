@@ -223,7 +223,6 @@ class Buffer:
             out_rows=recv_rows, out_scales=None, out_weights=None, out_info=info, info_stride=3,
             out_aux=recv_aux, out_counts=got_counts)
         recv_src_idx = info.view(cap, 3)[:, 1]
-        L = None
         recv_topk_idx = recv_topk_weights = recv_scales = None
         per_expert_list: list = []
         if topk_idx is not None:
@@ -231,9 +230,7 @@ class Buffer:
             recv_topk_weights = torch.empty(cap, K, dtype=torch.float32)
         if fp8:
             recv_scales = torch.empty(cap, x_scales.shape[1], dtype=torch.float32)
-        num_experts = None
-        if num_tokens_per_expert is not None:
-            num_experts = num_tokens_per_expert.numel()
+        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
         new_handle = (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, send_pos)
 
         def finish():
@@ -249,11 +246,10 @@ class Buffer:
                     gidx = recv_aux[:n_recv, : 8 * K].contiguous().view(torch.int64).view(n_recv, K)
                     gw = recv_aux[:n_recv, 8 * K: 12 * K].contiguous().view(torch.float32).view(n_recv, K)
                     o = 12 * K
-                    ne = num_experts if num_experts is not None else None
-                    Lx = (ne // R) if ne is not None else None
-                    if Lx is None:
+                    if num_experts is None:
                         raise ValueError(f"cam Buffer.dispatch on rank {me}: pass num_tokens_per_expert "
                                          "(from get_dispatch_layout) with topk_idx")
+                    Lx = num_experts // R
                     local = gidx - me * Lx
                     mine = (gidx >= 0) & (local >= 0) & (local < Lx)
                     recv_topk_idx[:n_recv] = torch.where(mine, local, -1)
