@@ -234,13 +234,14 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
         stride = ASSIST_INTS_PER_ROW
     else:
         info, stride = None, 3
+    expand_idx = None if v2 else torch.empty(BS * K, dtype=torch.int32)
     backend.moe_dispatch(
         error="", rows=x.contiguous(), ids=routed, weights=None if expert_scales is None else expert_scales.to(torch.float32).contiguous(),
         aux=None, token_active=token_active, smooth=smooth, smooth_shift=1 if S > 0 else 0,
         num_experts=M, shared_ranks=S, experts_per_rank=L, quant=quant, slab_rows=0,
         max_tokens=max_bs if global_bs else 0, out_rows=expand_x[:A], out_scales=dynamic_scales,
         out_weights=expand_scales, out_info=info, info_stride=stride, out_aux=None, out_counts=counts,
-        wait_us=performance_info).wait()
+        out_occurrence=expand_idx, wait_us=performance_info).wait()
     n_own = int(counts[-1]) if counts.numel() else 0
     ep_recv_counts, tp_recv_counts = counts, torch.tensor([n_own], dtype=torch.int32)
     if T == 2:
@@ -256,7 +257,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
             ends = half.view(L, W)[:, -1]
             per_expert += torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64))
     expert_token_nums = per_expert.cumsum(0) if expert_token_nums_type == 0 else per_expert
-    idx = info if v2 else occurrence_index(routed.view(-1))
+    idx = info if v2 else expand_idx
     return (expand_x, dynamic_scales, idx, expert_token_nums, ep_recv_counts, tp_recv_counts,
             expand_scales)
 

@@ -94,6 +94,10 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_dispatch(MoeDispatchArgs a, std::
       need(a.aux.defined() && a.out_aux.size(0) >= cap && a.out_aux.size(1) == a.aux.size(1), op, rank_,
            "received side data must have one row of the side data's width per output row");
     }
+    if (a.out_occurrence.defined()) {
+      need_tensor(a.out_occurrence, op, rank_, "expand_idx", at::kInt, 1);
+      need(a.out_occurrence.numel() == a.ids.numel(), op, rank_, "expand_idx must have one entry per routing slot");
+    }
     const int64_t local = rank_ < a.shared_ranks ? size_ : int64_t(size_) * a.experts_per_rank;
     need_tensor(a.out_counts, op, rank_, "ep_recv_counts", at::kInt, 1);
     need(a.out_counts.size(0) >= local, op, rank_, cam::str("ep_recv_counts must hold ", local, " entries"));

@@ -185,8 +185,15 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   if (h->bad_kind != kRoutingOk) return;
   for (int64_t e = 0; e < M; ++e) csr[e + 1] += csr[e];
   std::vector<int32_t> fill(csr, csr + M);
+  int32_t* occ = a_.out_occurrence.defined() ? a_.out_occurrence.data_ptr<int32_t>() : nullptr;
   for (int64_t i = 0; i < T * K; ++i) {
-    if (ids[i] >= 0) ent[fill[ids[i]]++] = int32_t(i);
+    const int32_t e = ids[i];
+    if (e >= 0) {
+      if (occ) occ[i] = fill[e] - csr[e];  // expand_idx: the entry's place in its expert's list
+      ent[fill[e]++] = int32_t(i);
+    } else if (occ) {
+      occ[i] = -1;
+    }
   }
 }
 

@@ -79,6 +79,8 @@ struct MoeDispatchArgs {
   int64_t info_stride = 3;
   at::Tensor out_aux;         // (cap, aux_bytes) uint8 or undefined
   at::Tensor out_counts;      // (W * local experts,) int32: inclusive running sums
+  at::Tensor out_occurrence;  // (T * K,) int32 or undefined: per routed entry, how many earlier
+                              // entries of this rank chose the same expert (-1: not routed)
   at::Tensor wait_us;         // (W,) int64 or undefined: per-peer wait (us) added on success
 };
 

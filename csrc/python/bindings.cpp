@@ -62,7 +62,8 @@ PYBIND11_MODULE(_C, m) {
              int64_t max_tokens, at::Tensor out_rows, std::optional<at::Tensor> out_scales,
              std::optional<at::Tensor> out_weights, std::optional<at::Tensor> out_info,
              int64_t info_stride, std::optional<at::Tensor> out_aux, at::Tensor out_counts,
-             std::optional<at::Tensor> wait_us, double timeout_s) {
+             std::optional<at::Tensor> out_occurrence, std::optional<at::Tensor> wait_us,
+             double timeout_s) {
             cam::MoeDispatchArgs a;
             a.error = error;
             a.rows = rows;
@@ -85,6 +86,7 @@ PYBIND11_MODULE(_C, m) {
             a.info_stride = info_stride;
             a.out_aux = out_aux.value_or(at::Tensor());
             a.out_counts = out_counts;
+            a.out_occurrence = out_occurrence.value_or(at::Tensor());
             a.wait_us = wait_us.value_or(at::Tensor());
             return b.moe_dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
@@ -93,7 +95,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("shared_ranks"), py::arg("experts_per_rank"), py::arg("quant"), py::arg("slab_rows"),
           py::arg("max_tokens"), py::arg("out_rows"), py::arg("out_scales"), py::arg("out_weights"),
           py::arg("out_info"), py::arg("info_stride"), py::arg("out_aux"), py::arg("out_counts"),
-          py::arg("wait_us") = py::none(), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+          py::arg("out_occurrence") = py::none(), py::arg("wait_us") = py::none(), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE dispatch (see torch_cam/moe.py); returns a Work")
       .def(
           "moe_combine",
