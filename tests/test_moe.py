@@ -289,6 +289,36 @@ class MoeCases(CamProcessGroupCase):
         # still usable
         self.run_case(M=M, K=2, seed=60)
 
+    def test_heap_resident_tokens_and_expert_outputs(self):
+        """Token rows and expert outputs that live in the tensor heap are read in place (not
+        staged), and the results are the same as from ordinary tensors."""
+        W, r = self.world_size, self.rank
+        M, K = 2 * W, 3
+        xs = [tokens(8, torch.bfloat16, 300 + g) for g in range(W)]
+        ids = [routing(8, K, M, 400 + g) for g in range(W)]
+        ws = [weights(8, K, 500 + g) for g in range(W)]
+        x = torch_cam.empty(8, H, dtype=torch.bfloat16)
+        x.copy_(xs[r])
+        backend = torch_cam.get_cam_backend()
+        staged = backend.stats()["staged_bytes"]
+        out = torch_cam.moe_distribute_dispatch(x, ids[r], self.pg, W, r, M, expert_scales=ws[r])
+        self.assertEqual(backend.stats()["staged_bytes"], staged, "heap-resident tokens were staged")
+        want = ref.dispatch(xs, ids, M, expert_scales=ws)
+        n = want[r]["n_valid"]
+        self.assertTrue(torch.equal(out[0][:n], want[r]["expand_x"][:n]))
+        y = torch_cam.empty(*out[0].shape, dtype=torch.bfloat16)
+        y.copy_(expert_fn(out[0], r))
+        staged = backend.stats()["staged_bytes"]
+        got = torch_cam.moe_distribute_combine(y, ids[r], out[2], out[4], ws[r], self.pg, W, r, M)
+        self.assertEqual(backend.stats()["staged_bytes"], staged, "heap-resident expert outputs were staged")
+        ys = [expert_fn(d["expand_x"], g) for g, d in enumerate(want)]
+        want_c = ref.combine(ys, ids, [d["expand_idx"] for d in want], [d["ep_recv_counts"] for d in want],
+                             ws, M)[r]
+        self.assertTrue(torch.equal(got, want_c))
+        # The caller may overwrite its rows as soon as the op returns: peers are done with them.
+        x.fill_(0)
+        y.fill_(0)
+
 
 class Moe2(MoeCases, MultiProcContinuousTest):
     world_size = 2
