@@ -16,13 +16,23 @@ Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg)
 Engine::~Engine() { shutdown(); }
 
 void Engine::shutdown() {
+  // Callers may race (torch can shut a group down from a helper thread while the owner drops
+  // it): call_once makes every caller wait until the thread is joined, so the Engine is never
+  // destroyed with a joinable thread (std::terminate).
+  std::call_once(shutdown_once_, [this] { stop_thread(); });
+}
+
+void Engine::stop_thread() {
   {
     std::lock_guard<std::mutex> lk(thread_mu_);
-    if (stop_) return;
     stop_ = true;
   }
   thread_cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    // The last reference may be dropped on the progress thread itself; it cannot join itself.
+    if (thread_.get_id() == std::this_thread::get_id()) thread_.detach();
+    else thread_.join();
+  }
   Finished finished;
   {
     std::lock_guard<std::mutex> lk(drive_mu_);

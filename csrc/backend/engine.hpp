@@ -51,6 +51,7 @@ class Engine {
   void fail_all(const std::string& why, Finished& finished);
   void complete(Finished& finished);
   void progress_thread_main();
+  void stop_thread();
   void wake_progress_thread();
 
   std::unique_ptr<SymmetricHeap> heap_;
@@ -75,6 +76,7 @@ class Engine {
   std::condition_variable thread_cv_;
   bool thread_parked_ = false;  // waiting without a deadline for new work
   bool stop_ = false;
+  std::once_flag shutdown_once_;
   std::thread thread_;
 };
 
