@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine (Python 3.10+, a C++ compiler, cmake):
-#   make demo   set up, build, run examples/demo.py and examples/moe_layer.py on 4 ranks under torchrun
+#   make demo   set up, build, run examples/demo.py and moe_layer.py on 4 ranks, kv_transfer.py on 2
 #   make test   set up, build, run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
@@ -24,6 +24,7 @@ build: setup
 demo: build
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/demo.py
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/moe_layer.py
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/kv_transfer.py
 
 test: build
 	bash tests/run_all.sh $(PY)

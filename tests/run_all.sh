@@ -13,7 +13,7 @@ run 900 tests/test_ops.py
 run 900 tests/test_collectives.py
 run 600 tests/test_collective_errors.py
 run 900 tests/test_moe_reference.py tests/test_moe.py tests/test_moe_buffer.py
-run 300 tests/test_kv_reference.py tests/test_kv_copy.py
+run 600 tests/test_kv_reference.py tests/test_kv_copy.py tests/test_kv.py
 run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py
 run 1200 tests/integration
 if [ -f tests/dist_suite/run_dist_suite.py ]; then

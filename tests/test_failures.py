@@ -68,6 +68,27 @@ def _killed_mid_op(rank, world_size, init_file, op):
     return "no error", time.monotonic() - start, ""
 
 
+def _kv_peer_dies(rank, world_size, init_file):
+    """Rank 1 (prefill) dies before pushing; rank 0 (decode) waits for its notification."""
+    _init(rank, world_size, init_file)
+    import torch_cam
+    from torch_cam.kv import KVTransfer
+    from torch_cam.kv_reference import KVLayout
+    kv = KVTransfer()
+    lay = KVLayout("mha", 1, 4, 4, 2, 8, torch.float32)
+    kv.register([torch_cam.zeros(*lay.pool_shape())], lay)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        kv.wait_notification(b"req", peer=1, timeout_s=60)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
 class PeerDeathTest(unittest.TestCase):
     def _check(self, op):
         before = set(cam_segments())
@@ -92,6 +113,13 @@ class PeerDeathTest(unittest.TestCase):
 
     def test_killed_during_recv(self):
         self._check("recv")
+
+    def test_kv_peer_killed_while_awaited(self):
+        results = run_ranks(_kv_peer_dies, 2, deadline_s=60, allow_died=(1,))
+        status, (msg, elapsed) = results[0]
+        self.assertEqual(status, "ok")
+        self.assertRegex(msg, r"waiting for request b'req' from rank 1: .*(no longer exists|has exited)")
+        self.assertLess(elapsed, 10.0)
 
     def test_killed_during_moe_dispatch(self):
         self._check("moe_dispatch")

@@ -53,6 +53,18 @@ at::Tensor CamBackend::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return engine_->heap().arena()->empty(sizes, dtype);
 }
 
+at::Tensor CamBackend::peer_arena_view(int r, int64_t offset, int64_t nbytes) {
+  TORCH_CHECK(r >= 0 && r < size_, "cam peer_arena_view on rank ", rank_, ": rank ", r,
+              " is outside the group of ", size_);
+  const int64_t cap = engine_->config().tensor_heap_bytes;
+  TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= cap, "cam peer_arena_view on rank ", rank_,
+              ": bytes [", offset, ", ", offset + nbytes, ") of rank ", r, "'s tensor heap are outside its ",
+              cap, " bytes");
+  char* p = engine_->heap().layout().arena(engine_->heap().base(r)) + offset;
+  auto keep = engine_;  // the peer's mapping lives as long as the engine's heap
+  return at::from_blob(p, {nbytes}, [keep](void*) {}, at::TensorOptions().dtype(at::kByte));
+}
+
 at::Tensor CamBackend::allocateTensor(long size, at::TensorOptions options) {
   TORCH_CHECK(!options.has_device() || options.device().is_cpu(), "cam allocateTensor on rank ",
               rank_, ": the tensor heap holds CPU tensors, got device ", options.device());

@@ -100,6 +100,16 @@ class CamBackend : public c10d::Backend {
   bool supportsTensorAlloc(c10::DeviceIndex) override { return true; }
   at::Tensor allocateTensor(long size, at::TensorOptions options) override;
 
+  // One-sided access for extensions (KV transfer): rank r's tensor-arena bytes
+  // [offset, offset + nbytes) as a uint8 tensor that keeps the mapping alive; the arena offset
+  // of one of this rank's heap tensors (-1 if it is not one); why rank r is considered dead
+  // (empty while alive).
+  at::Tensor peer_arena_view(int r, int64_t offset, int64_t nbytes);
+  int64_t arena_offset(const at::Tensor& t) const {
+    return t.numel() == 0 ? -1 : engine_->heap().arena()->offset_of(t.data_ptr(), int64_t(t.nbytes()));
+  }
+  std::string peer_failure(int r) const { return engine_->heap().peer_failure(r); }
+
   // MoE expert-parallel dispatch / combine over this group (moe.cpp, csrc/moe/).
   c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> moe_combine(MoeCombineArgs args, std::chrono::milliseconds timeout);

@@ -7,6 +7,7 @@
 
 #include "../backend/cam_backend.hpp"
 #include "../transport/shm_heap.hpp"
+#include "../../kernels/copy.hpp"
 #include "../../kernels/kv_copy.hpp"
 
 namespace py = pybind11;
@@ -129,6 +130,12 @@ PYBIND11_MODULE(_C, m) {
             return b.moe_empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
           },
           py::arg("sizes"), py::arg("dtype"), "An MoE output tensor from the recycling pool")
+      .def("peer_arena_view", &cam::CamBackend::peer_arena_view, py::arg("rank"), py::arg("offset"),
+           py::arg("nbytes"), "Bytes of a peer's tensor heap, mapped here (one-sided access)")
+      .def("arena_offset", &cam::CamBackend::arena_offset, py::arg("tensor"),
+           "Offset of a heap tensor in this rank's tensor heap, or -1")
+      .def("peer_failure", &cam::CamBackend::peer_failure, py::arg("rank"),
+           "Why a peer is considered dead; empty while it is alive")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   m.def(
@@ -177,6 +184,25 @@ PYBIND11_MODULE(_C, m) {
       py::arg("src"), py::arg("dst"), py::arg("src_shape"), py::arg("dst_shape"), py::arg("src_hnd"),
       py::arg("dst_hnd"), py::arg("runs"), py::arg("pieces"), py::call_guard<py::gil_scoped_release>(),
       "Copy KV token runs x head pieces between two pools, converting NHD/HND (kernels/kv_copy.hpp)");
+  // 64-bit signals in shared tensors (extensions' control blocks): a release store after the
+  // data it publishes, an acquire load before reading it (csrc/transport/signal.hpp).
+  m.def(
+      "signal_store",
+      [](const at::Tensor& t, int64_t index, int64_t value) {
+        TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && index >= 0 && index < t.numel(),
+                    "cam signal_store: expected a contiguous int64 tensor and an index inside it");
+        cam::kernels::store_fence();  // copies before it may have used non-temporal stores
+        cam::signal_release(reinterpret_cast<uint64_t*>(t.data_ptr<int64_t>())[index], uint64_t(value));
+      },
+      py::arg("tensor"), py::arg("index"), py::arg("value"));
+  m.def(
+      "signal_load",
+      [](const at::Tensor& t, int64_t index) {
+        TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && index >= 0 && index < t.numel(),
+                    "cam signal_load: expected a contiguous int64 tensor and an index inside it");
+        return int64_t(cam::signal_acquire(reinterpret_cast<const uint64_t*>(t.data_ptr<int64_t>())[index]));
+      },
+      py::arg("tensor"), py::arg("index"));
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
         "Remove /dev/shm names left by cam processes of this user that no longer exist");
 }
