@@ -117,4 +117,7 @@ for name, nbytes, fn, iters in rows:
     size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else (f"{nbytes >> 10} KiB" if nbytes >= 1024 else f"{nbytes} B")
     say(f"{name:24s} {size:>7s}   {t_cam * 1e6:10.1f} us   {t_gloo * 1e6:10.1f} us   {t_gloo / t_cam:7.1f}x")
 
+# Leave together: no rank tears its groups down while rank 0 is still printing over them.
+dist.barrier(group=gloo)
+dist.barrier()
 dist.destroy_process_group()
