@@ -158,8 +158,8 @@ class KVWork:
     """Completion of a transfer: ``wait()``, ``is_completed()``, ``layer_done(l)`` (per-layer
     progress), ``failed_blocks()`` (destination block ids not known to be written, on failure)."""
 
-    def __init__(self, layers: list[int], dst_blocks: list[int]):
-        self._layers, self._dst_blocks = layers, dst_blocks
+    def __init__(self, what: str, dst_blocks):
+        self._what, self._dst_blocks = what, dst_blocks
         self._done_layers: set[int] = set()
         self._event = threading.Event()
         self._error: BaseException | None = None
@@ -167,7 +167,7 @@ class KVWork:
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._event.wait(timeout):
-            raise TimeoutError(f"cam KV transfer not complete after {timeout} s")
+            raise TimeoutError(f"{self._what}: not complete after {timeout} s")
         if self._error is not None:
             raise self._error
         return True
@@ -317,10 +317,14 @@ class KVTransfer:
                                    "against the old registration are refused")
             copy = _Copy(src[0], src[1], src_ids, dst[0], dst[1], dst_ids, num_tokens, layers)
         except Exception as e:
-            self._notify(peer, request_id, kind, FAILED, 0, str(e))
+            try:
+                self._notify(peer, request_id, kind, FAILED, 0, str(e))
+            except Exception as unreachable:  # the refusal itself is what the caller must see
+                e.add_note(f"(rank {peer} could not be told: {unreachable})")
             raise
         layer_list = copy.layers
-        work = KVWork(layer_list, dst_ids)
+        work = KVWork(f"cam KV {'push to' if kind == PUSH else 'pull from'} rank {peer} (request "
+                      f"{request_id!r}) on rank {self.rank}", dst_ids)
 
         def run():
             with self._lock:
@@ -338,8 +342,8 @@ class KVTransfer:
                     work._error = e
                     try:
                         self._notify(peer, request_id, kind, FAILED, work.nbytes, str(e))
-                    except BaseException:
-                        pass
+                    except Exception as unreachable:
+                        e.add_note(f"(rank {peer} could not be told: {unreachable})")
                 finally:
                     work._event.set()
 
