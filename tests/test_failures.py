@@ -118,7 +118,7 @@ class PeerDeathTest(unittest.TestCase):
         results = run_ranks(_kv_peer_dies, 2, deadline_s=60, allow_died=(1,))
         status, (msg, elapsed) = results[0]
         self.assertEqual(status, "ok")
-        self.assertRegex(msg, r"waiting for request b'req' from rank 1: .*(no longer exists|has exited)")
+        self.assertRegex(msg, r"waiting for request 'req' from rank 1: .*(no longer exists|has exited)")
         self.assertLess(elapsed, 10.0)
 
     def test_killed_during_moe_dispatch(self):

@@ -118,12 +118,12 @@ class KVCases(CamProcessGroupCase):
     def test_bad_blocks_refused_before_anything_moves(self):
         kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
         if role == "prefill":
-            before = [p.clone() for p in kv._peer(1)[2]]
+            before = [p.clone() for p in kv.peer_pools(1)]
             with self.assertRaisesRegex(IndexError, r"dst_block_ids\[1\] = 99 is out of range"):
                 kv.push(1, [0, 1], [0, 99], 8, request_id=b"bad-block")
             with self.assertRaisesRegex(IndexError, "layer 7"):
                 kv.push(1, [0, 1], [0, 1], 8, layers=[7], request_id=b"bad-layer")
-            self.assertTrue(all(torch.equal(a, b) for a, b in zip(kv._peer(1)[2], before)))
+            self.assertTrue(all(torch.equal(a, b) for a, b in zip(kv.peer_pools(1), before)))
         elif role == "decode":
             # The decode side hears about both failures, with the cause.
             n = kv.wait_notification(b"bad-block", timeout_s=30)
@@ -148,6 +148,73 @@ class KVCases(CamProcessGroupCase):
         elif role == "decode":
             self.assertFalse(kv.wait_notification(b"stale", timeout_s=30).ok)
             self.assertTrue(kv.wait_notification(b"after", timeout_s=30).ok)
+        dist.barrier()
+
+    def test_full_ring_times_out_and_group_stays_usable(self):
+        """A peer that never reads its notifications fills the ring (64 slots): the next push,
+        synchronous or asynchronous, fails with TimeoutError at the transfer's deadline (the
+        data was written, the error says so); the group stays usable, and once the peer drains
+        the ring, pushes go through again."""
+        kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
+        if role == "prefill":
+            short = KVTransfer(timeout_s=0.5)
+        else:
+            short = KVTransfer()  # collective construction
+        if role in ("prefill", "decode"):
+            short.register(pools, lay)
+        dist.barrier()
+        if role == "prefill":
+            for i in range(64):
+                short.push(1, [0], [i % 32], 4, request_id=b"fill")
+            t0 = time.monotonic()
+            with self.assertRaisesRegex(TimeoutError, "ring of 64 full.*the data was written"):
+                short.push(1, [0], [0], 4, request_id=b"one-too-many")
+            self.assertLess(time.monotonic() - t0, 10)
+            work = short.push(1, [0], [1], 4, request_id=b"async-too-many", async_op=True)
+            with self.assertRaisesRegex(TimeoutError, "ring of 64 full"):
+                work.wait()
+            self.assertEqual(work.failed_blocks(), {1})
+        dist.barrier()  # the group is still usable
+        if role == "decode":
+            got = short.poll_notifications()
+            self.assertEqual([n.request_id for n in got], [b"fill"] * 64)
+            self.assertTrue(all(n.ok and n.peer == 0 for n in got))
+        dist.barrier()
+        if role == "prefill":
+            short.push(1, [0], [0], 4, request_id=b"after")
+        elif role == "decode":
+            self.assertTrue(short.wait_notification(b"after", peer=0, timeout_s=30).ok)
+        dist.barrier()
+
+    def test_wait_notification_deadline(self):
+        kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
+        if role == "decode":
+            t0 = time.monotonic()
+            with self.assertRaisesRegex(TimeoutError, "no notification for request 'never' from rank 0"):
+                kv.wait_notification(b"never", peer=0, timeout_s=0.2)
+            self.assertLess(time.monotonic() - t0, 5)
+        dist.barrier()
+
+    def test_concurrent_async_requests(self):
+        """Eight asynchronous pushes in flight at once (the engine interleaves them layer by
+        layer), completed through their futures; each notification arrives once, after its data."""
+        kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
+        n_req, tokens = 8, 8
+        if role == "prefill":
+            for r in range(n_req):
+                scatter_tokens(pools, lay, [2 * r, 2 * r + 1],
+                               [shard_heads(t, lay) for t in model_kv(tokens, 100 + r)])
+            works = [kv.push(1, torch.tensor([2 * r, 2 * r + 1]), [31 - 2 * r, 30 - 2 * r], tokens,
+                             request_id=f"c{r}".encode(), async_op=True) for r in range(n_req)]
+            torch.futures.wait_all([w.get_future() for w in works])
+            self.assertTrue(all(w.is_completed() and w.exception() is None for w in works))
+        elif role == "decode":
+            for r in reversed(range(n_req)):
+                n = kv.wait_notification(f"c{r}".encode(), peer=0, timeout_s=60)
+                self.assertTrue(n.ok, n.message)
+                self.assertEqual(n.nbytes, LAYERS * 2 * tokens * HEADS * D * 2)
+                self.check_decode(lay, pools, [31 - 2 * r, 30 - 2 * r], tokens, 100 + r)
+            self.assertEqual(kv.poll_notifications(), [])
         dist.barrier()
 
 

@@ -6,8 +6,9 @@ import itertools
 import pytest
 import torch
 
+from torch_cam import _C
 from torch_cam.kv import copy_blocks
-from torch_cam.kv_reference import KVLayout, reference_transfer
+from torch_cam.kv_reference import KVLayout, plan_kv_copy, reference_transfer
 
 
 def pools_for(layout, seed):
@@ -73,3 +74,51 @@ def test_checks_before_any_write():
     with pytest.raises(ValueError):
         copy_blocks(src, s, [0, 1], dst, d, [0], 6)  # too few destination blocks
     assert all(torch.equal(a, b) for a, b in zip(dst, before))
+    with pytest.raises(ValueError, match="repeats block id 3"):
+        copy_blocks(src, s, [0, 1], dst, d, [3, 3], 6)  # one destination block written twice
+    with pytest.raises(ValueError, match="incompatible KV layouts: source head_dim=8, destination head_dim=16"):
+        copy_blocks(src, s, [0], pools_for(mha(1, "NHD"), 3),
+                    KVLayout("mha", 2, 12, 4, 4, 16, torch.bfloat16, "NHD"), [0], 4)
+    with pytest.raises(ValueError, match="src_block_ids must hold ints"):
+        copy_blocks(src, s, [0, 1.0], dst, d, [0, 1], 6)
+    with pytest.raises(ValueError, match="dst_pools"):
+        copy_blocks(src, s, [0, 1], dst[:1], d, [0, 1], 6)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+
+
+def test_block_ids_as_tensors_lists_and_tuples():
+    """Ids come as lists, tuples, int32/int64 tensors, 0-dim tensors in a list: one result."""
+    s, d = mha(1, "NHD"), mha(2, "HND")
+    src = pools_for(s, 4)
+    outs = []
+    for s_ids, d_ids in (([5, 2, 7], [1, 0, 9]), ((5, 2, 7), (1, 0, 9)),
+                         (torch.tensor([5, 2, 7], dtype=torch.int32), torch.tensor([1, 0, 9])),
+                         ([torch.tensor(5), 2, 7], [1, torch.tensor(0), 9])):
+        dst = [torch.zeros(d.pool_shape(), dtype=d.dtype) for _ in range(d.num_layers)]
+        assert copy_blocks(src, s, s_ids, dst, d, d_ids, 10) == 2 * 2 * 10 * 2 * 8 * 2
+        outs.append(dst)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def _native_pieces(src, dst):
+    return [tuple(p) for p in _C.kv_plan_pieces(src, dst)]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+def test_native_plan_matches_reference(heads):
+    """The native head plan (csrc/kv/kv_layout.cpp) is the reference's, restricted to one
+    source rank, for every TP pair up to 8 (replicated heads included) and MLA."""
+    sizes = [1, 2, 4, 8]
+    for ts, td in itertools.product(sizes, sizes):
+        for sr, dr in itertools.product(range(ts), range(td)):
+            src, dst = mha(ts, "NHD", heads=heads).with_rank(sr), mha(td, "HND", heads=heads).with_rank(dr)
+            want = [(p.src_head_lo, p.dst_head_lo, p.num_heads) for p in plan_kv_copy(src, dst).pieces
+                    if p.src_tp_rank == sr]
+            assert _native_pieces(src, dst) == want, (heads, ts, sr, td, dr)
+            if heads == 1:
+                ms = KVLayout("mla", 2, 10, 4, 1, 16, torch.float16, "NHD", sr, ts)
+                md = KVLayout("mla", 2, 10, 4, 1, 16, torch.float16, "NHD", dr, td)
+                want = [(p.src_head_lo, p.dst_head_lo, p.num_heads) for p in plan_kv_copy(ms, md).pieces
+                        if p.src_tp_rank == sr]
+                assert _native_pieces(ms, md) == want

@@ -87,6 +87,7 @@ class CamBackend : public c10d::Backend {
 
   std::string config_string() const { return engine_->config().to_string(); }
   const std::string& group_id() const { return group_id_; }
+  int64_t timeout_ms() const { return engine_->config().timeout.count(); }
   int64_t window_bytes_mapped() const;
   bool direct_read_available() const { return engine_->heap().direct_read_available(); }
   std::map<std::string, int64_t> stats() const;
@@ -109,6 +110,8 @@ class CamBackend : public c10d::Backend {
     return t.numel() == 0 ? -1 : engine_->heap().arena()->offset_of(t.data_ptr(), int64_t(t.nbytes()));
   }
   std::string peer_failure(int r) const { return engine_->heap().peer_failure(r); }
+  // The group's engine, for extensions that run their own ops on it (KV transfer).
+  const std::shared_ptr<Engine>& engine() const { return engine_; }
 
   // MoE expert-parallel dispatch / combine over this group (moe.cpp, csrc/moe/).
   c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);

@@ -107,6 +107,8 @@ void Engine::absorb_incoming(Finished& finished) {
       p2p_.add_send(std::move(s));
     } else if (auto r = std::dynamic_pointer_cast<RecvOp>(op)) {
       p2p_.post_recv(ctx_, std::move(r), finished);
+    } else {
+      one_sided_.push_back(op);
     }
   }
 }
@@ -129,6 +131,15 @@ bool Engine::drive_once(Finished& finished) {
       progress = true;
     }
     progress |= p2p_.progress(ctx_, finished);
+    for (auto& op : one_sided_) {
+      try {
+        progress |= op->step(ctx_);
+      } catch (const ValidationError&) {
+        op->fail(std::current_exception());
+      }
+      if (op->done()) finished.push_back(op);
+    }
+    std::erase_if(one_sided_, [](const std::shared_ptr<Op>& op) { return op->done(); });
   } catch (const std::exception& e) {
     fail_all(e.what(), finished);
     return true;
@@ -191,6 +202,7 @@ void Engine::fail_all(const std::string& why, Finished& finished) {
   }
   pending_.clear();
   collectives_.clear();
+  one_sided_.clear();
   p2p_.clear();
 }
 

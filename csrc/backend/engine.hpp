@@ -2,7 +2,8 @@
 // Whoever waits drives progress (the thread in Work::wait, so a blocking op needs no thread
 // hand-off); a background progress thread drives ops that nobody is waiting on (an isend whose
 // Work is never waited, a Future with callbacks). Collectives run one at a time in issue
-// order; point-to-point ops progress concurrently beside them.
+// order; point-to-point ops progress concurrently beside them, and so do one-sided ops (KV
+// transfers), whose failures are their own (the group stays usable).
 //
 // Failure model: a ValidationError fails one op and leaves the group usable. A timeout, a dead
 // peer or a failure reported by a peer fails every pending op, is published in this rank's
@@ -64,6 +65,7 @@ class Engine {
 
   std::mutex drive_mu_;  // guards everything below until the thread fields
   std::deque<std::shared_ptr<Op>> collectives_;
+  std::vector<std::shared_ptr<Op>> one_sided_;  // neither collective nor p2p (KV transfers)
   std::vector<std::shared_ptr<Op>> pending_;  // every op not yet finished (deadlines, failure)
   P2PEngine p2p_;
   Clock::time_point next_liveness_check_;

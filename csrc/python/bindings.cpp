@@ -8,9 +8,10 @@
 #include "../backend/cam_backend.hpp"
 #include "../transport/shm_heap.hpp"
 #include "../../kernels/copy.hpp"
-#include "../../kernels/kv_copy.hpp"
 
 namespace py = pybind11;
+
+void bind_kv(py::module& m);  // kv_bindings.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_cam native backend";
@@ -26,6 +27,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("options"), py::arg("group_id"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("config", &cam::CamBackend::config_string)
       .def_property_readonly("group_id", &cam::CamBackend::group_id)
+      .def_property_readonly(
+          "timeout_s", [](const cam::CamBackend& b) { return b.timeout_ms() / 1000.0; },
+          "The group's timeout, which bounds every wait")
       .def_property_readonly("heap_bytes", &cam::CamBackend::window_bytes_mapped,
                              "Bytes of symmetric heap this rank maps (all windows of the group)")
       .def_property_readonly("direct_read_available", &cam::CamBackend::direct_read_available,
@@ -138,52 +142,7 @@ PYBIND11_MODULE(_C, m) {
            "Why a peer is considered dead; empty while it is alive")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
-  m.def(
-      "kv_copy",
-      [](const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_shape,
-         const std::vector<int64_t>& dst_shape, bool src_hnd, bool dst_hnd, const at::Tensor& runs,
-         const at::Tensor& pieces) {
-        // shapes: [planes, num_blocks, block_size, heads, head_dim] (logical, whatever the order)
-        TORCH_CHECK(src.is_contiguous() && dst.is_contiguous() && src.scalar_type() == dst.scalar_type(),
-                    "cam kv_copy: pools must be contiguous and of one dtype");
-        TORCH_CHECK(src_shape.size() == 5 && dst_shape.size() == 5 && src_shape[4] == dst_shape[4] &&
-                        src_shape[0] == dst_shape[0],
-                    "cam kv_copy: shapes must be [planes, blocks, block_size, heads, head_dim] with "
-                    "equal planes and head_dim");
-        const int64_t elem = int64_t(src.element_size());
-        auto side = [&](const at::Tensor& t, const std::vector<int64_t>& s, bool hnd) {
-          int64_t n = 1;
-          for (int64_t d : s) n *= d;
-          TORCH_CHECK(n == t.numel(), "cam kv_copy: shape ", s, " does not match a pool of ", t.numel(),
-                      " elements");
-          return cam::kernels::KVPoolSide{static_cast<char*>(t.data_ptr()), s[0], s[1], s[2], s[3],
-                                          s[4] * elem, hnd};
-        };
-        TORCH_CHECK(runs.is_contiguous() && runs.scalar_type() == at::kLong && runs.dim() == 2 &&
-                        runs.size(1) == 5 && pieces.is_contiguous() && pieces.scalar_type() == at::kLong &&
-                        pieces.dim() == 2 && pieces.size(1) == 3,
-                    "cam kv_copy: runs must be int64 (n, 5) and pieces int64 (m, 3)");
-        const auto s = side(src, src_shape, src_hnd), d = side(dst, dst_shape, dst_hnd);
-        const auto* r = reinterpret_cast<const cam::kernels::KVRun*>(runs.data_ptr<int64_t>());
-        const auto* p = reinterpret_cast<const cam::kernels::KVHeadPiece*>(pieces.data_ptr<int64_t>());
-        for (int64_t i = 0; i < runs.size(0); ++i) {
-          TORCH_CHECK(r[i].src_block >= 0 && r[i].src_block < s.num_blocks && r[i].dst_block >= 0 &&
-                          r[i].dst_block < d.num_blocks && r[i].tokens >= 0 && r[i].src_slot >= 0 &&
-                          r[i].dst_slot >= 0 && r[i].src_slot + r[i].tokens <= s.block_size &&
-                          r[i].dst_slot + r[i].tokens <= d.block_size,
-                      "cam kv_copy: run ", i, " [", r[i].src_block, ", ", r[i].src_slot, ", ", r[i].dst_block,
-                      ", ", r[i].dst_slot, ", ", r[i].tokens, "] is outside the pools");
-        }
-        for (int64_t i = 0; i < pieces.size(0); ++i) {
-          TORCH_CHECK(p[i].src_head >= 0 && p[i].dst_head >= 0 && p[i].heads >= 0 &&
-                          p[i].src_head + p[i].heads <= s.heads && p[i].dst_head + p[i].heads <= d.heads,
-                      "cam kv_copy: head piece ", i, " is outside the pools' heads");
-        }
-        cam::kernels::kv_copy(s, d, r, runs.size(0), p, pieces.size(0));
-      },
-      py::arg("src"), py::arg("dst"), py::arg("src_shape"), py::arg("dst_shape"), py::arg("src_hnd"),
-      py::arg("dst_hnd"), py::arg("runs"), py::arg("pieces"), py::call_guard<py::gil_scoped_release>(),
-      "Copy KV token runs x head pieces between two pools, converting NHD/HND (kernels/kv_copy.hpp)");
+  bind_kv(m);
   // 64-bit signals in shared tensors (extensions' control blocks): a release store after the
   // data it publishes, an acquire load before reading it (csrc/transport/signal.hpp).
   m.def(
