@@ -7,7 +7,8 @@ head_dim 64, bf16). Both keep paged KV pools in the group's symmetric heap, with
 layouts (prefill NHD with 16-token blocks, decode HND with 32-token blocks). The prefill rank
 "computes" a request's KV (seeded), writes it into its blocks, pushes them into the blocks the
 decode rank allocated (the copy converts the layout), and the decode rank, once the notification
-arrives, checks its cache bit for bit against the same seeded KV.
+arrives, checks its cache bit for bit against the same seeded KV. The push runs asynchronously
+on the group's engine; the prefill rank watches its layers complete.
 """
 import time
 
@@ -32,6 +33,8 @@ def main():
     pools = [torch_cam.zeros(*layout.pool_shape(), dtype=layout.dtype) for _ in range(LAYERS)]
     kv = KVTransfer()
     kv.register(pools, layout)
+    dist.barrier()
+    kv.version(1 - rank)  # first look at the peer's registration: maps its pools here (once)
 
     g = torch.Generator().manual_seed(7)
     truth = [torch.randn(2, TOKENS, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
@@ -45,6 +48,7 @@ def main():
         work = kv.push(1, prefill_blocks, decode_blocks, TOKENS, request_id=b"request-42", async_op=True)
         work.wait()
         dt = time.perf_counter() - t0
+        assert all(work.layer_done(l) for l in range(LAYERS))
         print(f"[prefill rank 0] pushed {TOKENS} tokens x {LAYERS} layers ({work.nbytes / 2**20:.1f} MiB, "
               f"{len(prefill_blocks)} blocks of 16 -> {len(decode_blocks)} blocks of 32, NHD -> HND) "
               f"in {dt * 1e3:.2f} ms ({work.nbytes / dt / 1e9:.1f} GB/s)", flush=True)

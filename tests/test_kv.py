@@ -35,7 +35,9 @@ def model_kv(num_tokens, seed, kind="mha"):
     return [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
-def heap_pools(lay):
+def heap_pools(lay, kv=None):
+    if kv is not None:
+        return kv.allocate(lay)
     return [torch_cam.zeros(*lay.pool_shape(), dtype=lay.dtype) for _ in range(lay.num_layers)]
 
 
@@ -55,7 +57,7 @@ class KVCases(CamProcessGroupCase):
             role, idx = "decode", decode_ranks.index(r)
         else:
             lay, role, idx = None, "idle", -1
-        pools = heap_pools(lay) if lay is not None else None
+        pools = heap_pools(lay, kv if r % 2 else None) if lay is not None else None
         if lay is not None:
             kv.register(pools, lay)
         dist.barrier()

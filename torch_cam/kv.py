@@ -140,6 +140,13 @@ class KVTransfer:
         self._layout = None
 
     # -- registration --
+    def allocate(self, layout: KVLayout) -> list[torch.Tensor]:
+        """Zeroed per-layer pools for ``layout`` in this group's tensor heap, ready to register."""
+        if not isinstance(layout, KVLayout):
+            raise ValueError("cam KVTransfer.allocate expects a KVLayout")
+        return [heap_empty(*layout.pool_shape(), dtype=layout.dtype, group=self.group).zero_()
+                for _ in range(layout.num_layers)]
+
     def register(self, pools: list[torch.Tensor], layout: KVLayout) -> int:
         """Publishes this rank's per-layer pools (heap-resident tensors of this group, shaped
         ``layout.pool_shape()``). Returns the new version; transfers planned against an older
@@ -151,7 +158,9 @@ class KVTransfer:
         return v
 
     def version(self, peer: int) -> int:
-        """The peer's current registration version (0: none yet)."""
+        """The peer's current registration version (0: none yet). The first look at a new
+        registration also maps the peer's pools into this process's page tables (about 0.2 ms
+        per MiB of pool, once), so calling it at setup keeps that off the first transfer."""
         return self._native.peer_registration(peer)[0]
 
     def peer_layout(self, peer: int) -> KVLayout | None:

@@ -120,6 +120,8 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
     std::vector<int64_t> offsets;
   };
   PeerRegistration read_registration(int peer);
+  // Maps a newly read registration's pool pages into this process's page tables.
+  void map_pools(int peer, const KVLayoutDesc& desc, const std::vector<int64_t>& offsets);
   bool try_notify(int peer, int64_t kind, int64_t status, int64_t nbytes, const std::string& request_id,
                   const std::string& message);
   // Blocks (backing off) until posted; throws on the peer's death or at the deadline.
