@@ -89,6 +89,32 @@ def _kv_peer_dies(rank, world_size, init_file):
     return "no error", time.monotonic() - start
 
 
+def _kv_push_to_dead_peer(rank, world_size, init_file):
+    """Rank 1 (decode) dies after registering; rank 0 pushes to it, synchronously and not."""
+    _init(rank, world_size, init_file)
+    import torch_cam
+    from torch_cam.kv import KVTransfer
+    from torch_cam.kv_reference import KVLayout
+    kv = KVTransfer()
+    lay = KVLayout("mha", 2, 4, 4, 2, 8, torch.float32)
+    kv.register(kv.allocate(lay), lay)
+    kv.version(1 - rank)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    out = []
+    for async_op in (False, True):
+        start = time.monotonic()
+        try:
+            work = kv.push(1, [0], [1], 4, request_id=b"late", async_op=async_op)
+            work.wait()
+            out.append(("no error", time.monotonic() - start, None))
+        except RuntimeError as e:
+            out.append((str(e), time.monotonic() - start, sorted(work.failed_blocks()) if async_op else None))
+    return out
+
+
 class PeerDeathTest(unittest.TestCase):
     def _check(self, op):
         before = set(cam_segments())
@@ -120,6 +146,16 @@ class PeerDeathTest(unittest.TestCase):
         self.assertEqual(status, "ok")
         self.assertRegex(msg, r"waiting for request 'req' from rank 1: .*(no longer exists|has exited)")
         self.assertLess(elapsed, 10.0)
+
+    def test_kv_push_to_dead_peer(self):
+        results = run_ranks(_kv_push_to_dead_peer, 2, deadline_s=60, allow_died=(1,))
+        status, out = results[0]
+        self.assertEqual(status, "ok", out)
+        for (msg, elapsed, failed), async_op in zip(out, (False, True)):
+            self.assertRegex(msg, r"rank 1 (died|.*process \d+ (no longer exists|has exited))", msg)
+            self.assertLess(elapsed, 10.0)
+            if async_op:
+                self.assertEqual(failed, [1])
 
     def test_killed_during_moe_dispatch(self):
         self._check("moe_dispatch")

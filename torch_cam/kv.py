@@ -101,18 +101,26 @@ class KVWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._job.done
+        return self._job.done or (self._work is not None and self._work.is_completed())
 
     def layer_done(self, layer: int) -> bool:
         return self._job.layer_done(layer)
 
     def failed_blocks(self) -> set[int]:
-        return set(self._job.failed_blocks())
+        """On failure, the destination blocks of the request (none is known to be complete)."""
+        return set() if self.exception() is None else set(self._job.failed_blocks())
 
     def exception(self) -> BaseException | None:
-        if not self._job.done or not self._job.error:
-            return None
-        return (TimeoutError if self._job.timed_out else RuntimeError)(self._job.error)
+        if self._job.done:
+            if not self._job.error:
+                return None
+            return (TimeoutError if self._job.timed_out else RuntimeError)(self._job.error)
+        if self._work is not None and self._work.is_completed():  # the engine failed it (dead peer)
+            try:
+                self._work.wait()
+            except RuntimeError as e:
+                return e
+        return None
 
     def get_future(self):
         if self._work is None:
@@ -137,7 +145,6 @@ class KVTransfer:
         offsets = [None] * self.world
         dist.all_gather_object(offsets, self._native.control_offset, group=self.group)
         self._native.connect(offsets)
-        self._layout = None
 
     # -- registration --
     def allocate(self, layout: KVLayout) -> list[torch.Tensor]:
@@ -153,9 +160,7 @@ class KVTransfer:
         one are refused, and one in flight when the version changes fails."""
         if not isinstance(layout, KVLayout):
             raise ValueError("cam KVTransfer.register expects a KVLayout")
-        v = self._native.register(list(pools), layout)
-        self._layout = layout
-        return v
+        return self._native.register(list(pools), layout)
 
     def version(self, peer: int) -> int:
         """The peer's current registration version (0: none yet). The first look at a new

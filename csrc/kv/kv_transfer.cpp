@@ -58,7 +58,7 @@ class KVTransferOp : public Op {
     }
     return moved;
   }
-  std::string waiting_for() const override { return "the notification ring of " + job_->what(); }
+  std::string waiting_for() const override { return job_->what() + " to finish"; }
 
  private:
   std::shared_ptr<KVTransfer> owner_;
@@ -85,8 +85,8 @@ bool KVTransferJob::layer_done(int64_t layer) const {
 }
 
 std::vector<int64_t> KVTransferJob::failed_blocks() const {
-  if (!done() || error_.empty()) return {};
-  return plan_.dst_blocks();
+  if (done() && error_.empty()) return {};
+  return plan_.dst_blocks();  // failed, or stopped by the group's failure: none is known complete
 }
 
 // ---- setup and registration -----------------------------------------------------------------
@@ -97,6 +97,7 @@ KVTransfer::KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds
   control_ = engine_->heap().arena()->empty({layout_.bytes()}, at::kByte).zero_();
   peer_cache_.resize(size_t(world_));
   ring_mu_ = std::make_unique<std::mutex[]>(size_t(world_));
+  liveness_ = std::make_unique<PeerLiveness[]>(size_t(world_));
   sent_.assign(size_t(world_), 0);
 }
 
@@ -293,7 +294,15 @@ bool KVTransfer::advance(KVTransferJob& job) {
     }
     job.state_.store(State::kNotifying, std::memory_order_relaxed);
   }
-  const std::string message = job.error_;
+  std::string message = job.error_;
+  if (message.empty()) {
+    // Writes into a dead peer's pools succeed (the mapping outlives it), so the sender asks.
+    const std::string dead = peer_dead(job.peer_);
+    if (!dead.empty()) {
+      finish(job, str(job.what_, ": rank ", job.peer_, " ", dead, "; the data went nowhere"), false);
+      return true;
+    }
+  }
   if (try_notify(job.peer_, job.kind_, job.status_, job.nbytes(), job.request_id_, message)) {
     finish(job, message, false);
     return true;
@@ -305,13 +314,10 @@ bool KVTransfer::advance(KVTransferJob& job) {
            true);
     return true;
   }
-  if (Clock::now() > job.next_liveness_) {  // reading /proc is not free: at the liveness interval
-    job.next_liveness_ = Clock::now() + std::chrono::milliseconds(engine_->config().liveness_interval_ms);
-    const std::string dead = peer_dead(job.peer_);
-    if (!dead.empty()) {
-      finish(job, str(job.what_, ": cannot notify rank ", job.peer_, ": ", dead), false);
-      return true;
-    }
+  const std::string dead = peer_dead(job.peer_);
+  if (!dead.empty()) {
+    finish(job, str(job.what_, ": cannot notify rank ", job.peer_, ": ", dead), false);
+    return true;
   }
   return false;
 }
@@ -333,7 +339,18 @@ c10::intrusive_ptr<c10d::Work> KVTransfer::submit(std::shared_ptr<KVTransferJob>
 
 // ---- notifications --------------------------------------------------------------------------
 
-std::string KVTransfer::peer_dead(int peer) const { return engine_->heap().peer_failure(peer); }
+std::string KVTransfer::peer_dead(int peer) {
+  // Reading /proc costs microseconds: ask at most once per liveness interval per peer, and
+  // remember a death.
+  PeerLiveness& p = liveness_[size_t(peer)];
+  std::lock_guard<std::mutex> lk(p.mu);
+  const auto now = Clock::now();
+  if (p.dead.empty() && now >= p.next_check) {
+    p.dead = engine_->heap().peer_failure(peer);
+    p.next_check = now + std::chrono::milliseconds(engine_->config().liveness_interval_ms);
+  }
+  return p.dead;
+}
 
 bool KVTransfer::try_notify(int peer, int64_t kind, int64_t status, int64_t nbytes, const std::string& request_id,
                             const std::string& message) {
@@ -362,13 +379,9 @@ void KVTransfer::notify(int peer, int64_t kind, int64_t status, int64_t nbytes, 
                         const std::string& message, Clock::time_point deadline, const std::string& what) {
   const auto& cfg = engine_->config();
   Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
-  auto next_liveness = Clock::now();
   while (!try_notify(peer, kind, status, nbytes, request_id, message)) {
-    if (Clock::now() > next_liveness) {
-      next_liveness = Clock::now() + std::chrono::milliseconds(cfg.liveness_interval_ms);
-      const std::string dead = peer_dead(peer);
-      TORCH_CHECK(dead.empty(), what, ": cannot notify rank ", peer, ": ", dead);
-    }
+    const std::string dead = peer_dead(peer);
+    TORCH_CHECK(dead.empty(), what, ": cannot notify rank ", peer, ": ", dead);
     TORCH_CHECK(Clock::now() < deadline, what, ": rank ", peer, " has not read its notifications for ",
                 timeout_.count(), " ms (ring of ", kSlots, " full)");
     backoff.pause();
@@ -408,8 +421,7 @@ KVNotification KVTransfer::wait_notification(const std::string& request_id, int 
                     peer, " is not another rank of the group of ", world_);
   const auto& cfg = engine_->config();
   Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
-  const auto start = Clock::now(), deadline = start + timeout;
-  auto next_liveness = start + std::chrono::milliseconds(cfg.liveness_interval_ms);
+  const auto deadline = Clock::now() + timeout;
   while (true) {
     {
       std::lock_guard<std::mutex> lk(queue_mu_);
@@ -422,17 +434,13 @@ KVNotification KVTransfer::wait_notification(const std::string& request_id, int 
         }
       }
     }
-    const auto now = Clock::now();
-    if (now > next_liveness) {
-      next_liveness = now + std::chrono::milliseconds(cfg.liveness_interval_ms);
-      for (int p = 0; p < world_; ++p) {
-        if (p == rank_ || (peer >= 0 && p != peer)) continue;
-        const std::string dead = peer_dead(p);
-        TORCH_CHECK(dead.empty(), "cam KVTransfer on rank ", rank_, ": waiting for request '", printable(request_id),
-                    "' from rank ", p, ": ", dead);
-      }
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_ || (peer >= 0 && p != peer)) continue;
+      const std::string dead = peer_dead(p);
+      TORCH_CHECK(dead.empty(), "cam KVTransfer on rank ", rank_, ": waiting for request '", printable(request_id),
+                  "' from rank ", p, ": ", dead);
     }
-    if (now > deadline) {
+    if (Clock::now() > deadline) {
       throw KVTimeout(str("cam KVTransfer on rank ", rank_, ": no notification for request '", printable(request_id),
                                    "'", peer >= 0 ? str(" from rank ", peer) : std::string(), " within ",
                                    timeout.count(), " ms"));

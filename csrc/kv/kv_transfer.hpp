@@ -56,7 +56,8 @@ class KVTransferJob {
   // Empty on success (valid once done()); "timeout" or "error" plus the message otherwise.
   const std::string& error() const { return error_; }
   bool timed_out() const { return timed_out_; }
-  // Destination blocks not known to be written (all of the request's, on failure).
+  // Destination blocks not known to be written: none after success, all of the request's
+  // otherwise (failed, in flight, or stopped by the group's failure).
   std::vector<int64_t> failed_blocks() const;
 
  private:
@@ -70,7 +71,6 @@ class KVTransferJob {
   std::vector<char*> src_bases_, dst_bases_;  // per entry of plan_.layers()
   std::shared_ptr<const std::vector<at::Tensor>> own_pools_;  // kept alive while in flight
   Clock::time_point deadline_;
-  Clock::time_point next_liveness_ = Clock::now();
   std::atomic<State> state_{State::kCopying};
   std::atomic<int64_t> layers_copied_{0};
   std::atomic<int64_t> nbytes_{0};
@@ -128,7 +128,8 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   void notify(int peer, int64_t kind, int64_t status, int64_t nbytes, const std::string& request_id,
               const std::string& message, Clock::time_point deadline, const std::string& what);
   void drain();
-  std::string peer_dead(int peer) const;
+  // Why the peer is dead ("" while alive), checked at most once per liveness interval.
+  std::string peer_dead(int peer);
   char* peer_control(int peer) const { return peer_control_[size_t(peer)]; }
   void finish(KVTransferJob& job, std::string error, bool timed_out);
 
@@ -149,6 +150,13 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
 
   std::unique_ptr<std::mutex[]> ring_mu_;  // per peer: one notifier at a time
   std::vector<uint64_t> sent_;             // per peer, under ring_mu_[peer]
+
+  struct PeerLiveness {
+    std::mutex mu;
+    Clock::time_point next_check{};
+    std::string dead;
+  };
+  std::unique_ptr<PeerLiveness[]> liveness_;
 
   std::mutex queue_mu_;
   std::vector<KVNotification> queue_;
