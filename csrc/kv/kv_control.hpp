@@ -1,5 +1,5 @@
 // The KV control block: one per rank per KVTransfer, in the rank's tensor heap, mapped by every
-// peer of the group. Layout (W = group size):
+// peer of the group, and never released (peers may still look at it). Layout (W = group size):
 //
 //   KVRegistration         written only by the owner (seqlock: version odd while rewritten)
 //   SignalLine tails[W]    tails[p]: how far the owner has read the ring rank p writes

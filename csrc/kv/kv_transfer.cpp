@@ -94,16 +94,18 @@ std::vector<int64_t> KVTransferJob::failed_blocks() const {
 KVTransfer::KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout)
     : engine_(std::move(engine)), timeout_(timeout), rank_(engine_->heap().rank()),
       world_(engine_->heap().world_size()), layout_{world_} {
-  control_ = engine_->heap().arena()->empty({layout_.bytes()}, at::kByte).zero_();
+  // Never released: a peer may read this block (and write its rings) after this object is gone,
+  // and a heap tensor reusing the bytes would be taken for a registration. A few KiB per peer.
+  control_offset_ = engine_->heap().arena()->reserve_block(layout_.bytes());
+  control_ = engine_->heap().arena()->block(control_offset_);
+  std::memset(control_, 0, size_t(layout_.bytes()));
   peer_cache_.resize(size_t(world_));
   ring_mu_ = std::make_unique<std::mutex[]>(size_t(world_));
   liveness_ = std::make_unique<PeerLiveness[]>(size_t(world_));
   sent_.assign(size_t(world_), 0);
 }
 
-int64_t KVTransfer::control_offset() const {
-  return engine_->heap().arena()->offset_of(control_.data_ptr(), int64_t(control_.nbytes()));
-}
+int64_t KVTransfer::control_offset() const { return control_offset_; }
 
 void KVTransfer::connect(const std::vector<int64_t>& offsets) {
   TORCH_CHECK(int64_t(offsets.size()) == world_, "cam KVTransfer on rank ", rank_, ": expected ", world_,
@@ -113,7 +115,7 @@ void KVTransfer::connect(const std::vector<int64_t>& offsets) {
   for (int r = 0; r < world_; ++r) {
     TORCH_CHECK(offsets[size_t(r)] >= 0 && offsets[size_t(r)] + layout_.bytes() <= cap, "cam KVTransfer on rank ",
                 rank_, ": rank ", r, "'s control block offset ", offsets[size_t(r)], " is outside its tensor heap");
-    peer_control_[size_t(r)] = r == rank_ ? static_cast<char*>(control_.data_ptr())
+    peer_control_[size_t(r)] = r == rank_ ? control_
                                           : engine_->heap().layout().arena(engine_->heap().base(r)) + offsets[size_t(r)];
   }
 }
@@ -137,7 +139,7 @@ uint64_t KVTransfer::register_pools(const std::vector<at::Tensor>& pools, const 
     offsets.push_back(off);
   }
   std::lock_guard<std::mutex> lk(register_mu_);
-  auto* reg = KVControlLayout::registration(static_cast<char*>(control_.data_ptr()));
+  auto* reg = KVControlLayout::registration(control_);
   const uint64_t v = version_;
   std::atomic_ref<uint64_t>(reg->version).store(v + 1, std::memory_order_relaxed);  // odd: being rewritten
   std::atomic_thread_fence(std::memory_order_release);
@@ -389,7 +391,7 @@ void KVTransfer::notify(int peer, int64_t kind, int64_t status, int64_t nbytes, 
 }
 
 void KVTransfer::drain() {
-  char* block = static_cast<char*>(control_.data_ptr());
+  char* block = control_;
   for (int p = 0; p < world_; ++p) {
     if (p == rank_) continue;
     const KVRing* ring = layout_.ring(block, p);

@@ -137,7 +137,8 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   std::chrono::milliseconds timeout_;
   int rank_, world_;
   KVControlLayout layout_;
-  at::Tensor control_;  // this rank's control block (heap tensor)
+  char* control_;  // this rank's control block, in its tensor arena
+  int64_t control_offset_;
   std::vector<char*> peer_control_;
 
   std::mutex register_mu_;
