@@ -52,6 +52,13 @@ std::string KVLayoutDesc::describe() const {
              "] tp ", tp_rank, "/", tp_size, " of ", total_kv_heads, " heads");
 }
 
+void KVLayoutDesc::check_pool(const at::Tensor& t, const std::string& what) const {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes().vec() == pool_shape() && int64_t(t.scalar_type()) == dtype &&
+                        t.is_contiguous(),
+                    what, " must be a contiguous CPU pool of ", describe(), ", got ", t.scalar_type(), " ", t.sizes(),
+                    t.is_contiguous() ? "" : " (not contiguous)", " on ", t.device());
+}
+
 void check_compatible(const KVLayoutDesc& src, const KVLayoutDesc& dst) {
   auto same = [](const char* name, int64_t a, int64_t b) {
     TORCH_CHECK_VALUE(a == b, "incompatible KV layouts: source ", name, "=", a, ", destination ", name, "=", b);

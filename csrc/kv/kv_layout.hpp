@@ -7,6 +7,7 @@
 // head_dim] (one latent vector per token, replicated over the TP group).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -43,6 +44,9 @@ struct KVLayoutDesc {
   // The copy kernel's view of one layer's pool at `base`.
   kernels::KVPoolSide side(char* base) const;
   std::string describe() const;  // "mha NHD bfloat16 [2, 64, 16, 8, 128] tp 0/1"
+  // ValueError unless t is one layer's pool of this layout: a contiguous CPU tensor of its
+  // shape and dtype. `what` names the tensor in the message ("src_pools[2]").
+  void check_pool(const at::Tensor& t, const std::string& what) const;
 };
 
 // ValueError unless a copy from src's TP group into dst's rank can be planned (same kind,

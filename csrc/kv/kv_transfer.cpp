@@ -125,14 +125,10 @@ uint64_t KVTransfer::register_pools(const std::vector<at::Tensor>& pools, const 
   TORCH_CHECK_VALUE(int64_t(pools.size()) == layout.num_layers && layout.num_layers <= kMaxLayers,
                     "cam KVTransfer.register on rank ", rank_, ": expected ", layout.num_layers,
                     " layer pools (at most ", kMaxLayers, "), got ", pools.size());
-  const auto shape = layout.pool_shape();
   std::vector<int64_t> offsets;
   for (size_t l = 0; l < pools.size(); ++l) {
     const at::Tensor& t = pools[l];
-    TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes().vec() == shape && int64_t(t.scalar_type()) == layout.dtype &&
-                          t.is_contiguous(),
-                      "cam KVTransfer.register on rank ", rank_, ": layer ", l, " pool is ", t.scalar_type(), " ",
-                      t.sizes(), ", expected a contiguous CPU ", layout.describe());
+    layout.check_pool(t, str("cam KVTransfer.register on rank ", rank_, ": layer ", l, " pool"));
     const int64_t off = engine_->heap().arena()->offset_of(t.data_ptr(), int64_t(t.nbytes()));
     TORCH_CHECK_VALUE(off >= 0, "cam KVTransfer.register on rank ", rank_, ": layer ", l,
                       " pool is not in this group's tensor heap; allocate it with torch_cam.empty(..., group=group)");

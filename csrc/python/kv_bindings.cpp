@@ -111,14 +111,10 @@ std::pair<std::vector<int64_t>, bool> layers_arg(py::handle obj) {
 std::vector<char*> bases(const std::vector<at::Tensor>& pools, const KVLayoutDesc& L, const char* what) {
   TORCH_CHECK_VALUE(int64_t(pools.size()) == L.num_layers, what, " must hold ", L.num_layers,
                     " per-layer tensors, got ", pools.size());
-  const auto shape = L.pool_shape();
   std::vector<char*> out;
   for (size_t l = 0; l < pools.size(); ++l) {
     const at::Tensor& t = pools[l];
-    TORCH_CHECK_VALUE(t.device().is_cpu() && t.sizes().vec() == shape && int64_t(t.scalar_type()) == L.dtype &&
-                          t.is_contiguous(),
-                      what, "[", l, "] must be a contiguous CPU ", L.describe(), " pool, got ", t.scalar_type(), " ",
-                      t.sizes());
+    L.check_pool(t, cam::str(what, "[", l, "]"));
     out.push_back(static_cast<char*>(t.data_ptr()));
   }
   return out;
