@@ -37,7 +37,7 @@ void check_unique(BlockIds ids, int64_t used, int64_t num_blocks, const char* wh
 
 KVCopyPlan::KVCopyPlan(const KVLayoutDesc& src, BlockIds src_ids, const KVLayoutDesc& dst, BlockIds dst_ids,
                        int64_t num_tokens, std::vector<int64_t> layers, bool all_layers)
-    : src_(src), dst_(dst), num_tokens_(num_tokens) {
+    : src_(src), dst_(dst) {
   TORCH_CHECK_VALUE(num_tokens >= 0, "num_tokens must be a non-negative int, got ", num_tokens);
   check_ids(src_ids, src, num_tokens, "src_block_ids");
   const int64_t used = check_ids(dst_ids, dst, num_tokens, "dst_block_ids");

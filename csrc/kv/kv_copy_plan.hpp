@@ -30,11 +30,9 @@ class KVCopyPlan {
   const std::vector<int64_t>& layers() const { return layers_; }
   const std::vector<int64_t>& dst_blocks() const { return dst_blocks_; }  // the ones written
   int64_t layer_bytes() const { return layer_bytes_; }
-  int64_t num_tokens() const { return num_tokens_; }
 
  private:
   KVLayoutDesc src_, dst_;
-  int64_t num_tokens_;
   std::vector<int64_t> layers_;
   std::vector<int64_t> dst_blocks_;
   std::vector<kernels::KVRun> runs_;

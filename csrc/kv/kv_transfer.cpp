@@ -230,7 +230,7 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
   TORCH_CHECK(reg.version != 0, "cam KVTransfer on rank ", rank_, ": rank ", peer, " has registered no KV pools");
   const auto deadline = Clock::now() + timeout_;
   try {
-    TORCH_CHECK(expect_version < 0 || uint64_t(expect_version) == reg.version, what, ": rank ", peer,
+    TORCH_CHECK(expect_version < 0 || uint64_t(expect_version) == reg.version, "rank ", peer,
                 "'s KV pools were re-registered (version ", expect_version, " -> ", reg.version,
                 "); block ids planned against the old registration are refused");
     const bool push = kind == kPush;
@@ -242,7 +242,7 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
     std::vector<char*> src_bases, dst_bases;
     for (int64_t l : plan.layers()) {
       const int64_t off = reg.offsets[size_t(l)];
-      TORCH_CHECK(off >= 0 && off + reg.layout.pool_bytes() <= cap, what, ": rank ", peer, "'s layer ", l,
+      TORCH_CHECK(off >= 0 && off + reg.layout.pool_bytes() <= cap, "rank ", peer, "'s layer ", l,
                   " pool at offset ", off, " is outside its tensor heap");
       char* mine = static_cast<char*>((*own)[size_t(l)].data_ptr());
       src_bases.push_back(push ? mine : peer_arena + off);
@@ -252,14 +252,20 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
                                                std::move(src_bases), std::move(dst_bases), deadline);
     job->own_pools_ = std::move(own);
     return job;
-  } catch (c10::Error& e) {
-    // The peer still hears that this request failed (it may be waiting for it).
+  } catch (const c10::Error& e) {
+    // The message names the transfer (direction, peer, request, rank); the peer still hears
+    // that this request failed (it may be waiting for it).
+    std::string msg = str(what, ": ", e.msg());
     try {
-      notify(peer, kind, kFailed, 0, request_id, e.msg(), deadline, what);
+      notify(peer, kind, kFailed, 0, request_id, msg, deadline, what);
     } catch (const std::exception& unreachable) {
-      e.add_context(str("(rank ", peer, " could not be told: ", unreachable.what(), ")"));
+      msg += str(" (rank ", peer, " could not be told: ", unreachable.what(), ")");
     }
-    throw;  // keeps its type: IndexError / ValueError / RuntimeError in Python
+    // Same type as the check that failed: IndexError / ValueError / RuntimeError in Python.
+    const c10::SourceLocation here{__func__, __FILE__, uint32_t(__LINE__)};
+    if (dynamic_cast<const c10::IndexError*>(&e)) throw c10::IndexError(here, msg);
+    if (dynamic_cast<const c10::ValueError*>(&e)) throw c10::ValueError(here, msg);
+    throw c10::Error(here, msg);
   }
 }
 

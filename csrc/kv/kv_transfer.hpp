@@ -109,10 +109,6 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   // The first notification for request_id (from peer, if >= 0); others stay queued for poll().
   KVNotification wait_notification(const std::string& request_id, int peer, std::chrono::milliseconds timeout);
 
-  int rank() const { return rank_; }
-  int world() const { return world_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-
  private:
   struct PeerRegistration {
     uint64_t version = 0;
