@@ -39,11 +39,9 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
   off += stage_align(a_.quant ? n * 4 : 0);
   const int64_t rows_at = off;
   if (!in_place_) off += stage_align(n * row_bytes);
-  char* s = stage_->reserve(seq(), off);
-  const int64_t base = stage_->arena_offset(seq());
-  auto* h = reinterpret_cast<MoeCombineHeader*>(s);
-  std::memset(static_cast<void*>(h), 0, sizeof(*h));
-  d->heap_off = base;
+  auto* h = stage_header<MoeCombineHeader>(d, off);
+  char* s = reinterpret_cast<char*>(h);
+  const int64_t base = d->heap_off;
   if (publish_error(a_.error, h->error)) return;
   h->rows = n;
   h->hidden = H;

@@ -112,11 +112,9 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   const int64_t act_at = place(T);
   const int64_t scales_at = place(prequant ? T * 4 : 0);
   const int64_t rows_at = in_place_ ? -1 : place(T * (prequant ? H : width));
-  char* s = stage_->reserve(seq(), off);
-  const int64_t base = stage_->arena_offset(seq());
-  auto* h = reinterpret_cast<MoeDispatchHeader*>(s);
-  std::memset(static_cast<void*>(h), 0, sizeof(*h));
-  d->heap_off = base;
+  auto* h = stage_header<MoeDispatchHeader>(d, off);
+  char* s = reinterpret_cast<char*>(h);
+  const int64_t base = d->heap_off;
   if (publish_error(a_.error, h->error)) return;
   h->tokens = T;
   h->topk = K;

@@ -20,6 +20,8 @@
 // instead of being staged; such a rank then waits until every peer has finished reading them.
 #pragma once
 
+#include <cstring>
+
 #include "../algo/collective.hpp"
 #include "moe_stage.hpp"
 
@@ -40,6 +42,15 @@ class MoeOp : public CollectiveOp {
  protected:
   // Copies this rank's input error (if any) into the header text; returns whether there was one.
   static bool publish_error(const std::string& error, char* text);
+  // Reserves `bytes` of this op's stage half, zeroes the header at its start and points the
+  // descriptor at it (peers find the stage through heap_off).
+  template <typename Header>
+  Header* stage_header(CollDesc* d, int64_t bytes) {
+    auto* h = reinterpret_cast<Header*>(stage_->reserve(seq(), bytes));
+    std::memset(static_cast<void*>(h), 0, sizeof(Header));
+    d->heap_off = stage_->arena_offset(seq());
+    return h;
+  }
   // Refuses when any rank published an input error.
   void check_errors(Context& ctx, const std::vector<const char*>& texts);
   // Adds each peer's wait (see CollectiveOp::arrival_us_) to `wait_us`, if defined.
