@@ -1,8 +1,8 @@
 """Errors of the reduction and gather families: ranks that disagree on size, dtype, reduce op,
 root, algorithm or the collective itself fail on every rank with a message naming the op, its
 sequence number, this rank and the other rank, and the group stays usable; unsupported dtype/op
-combinations and malformed arguments fail on the calling rank before anything is queued; a
-monitored_barrier or collective that a peer never joins times out naming the missing ranks."""
+combinations and malformed arguments fail each rank's own checks (tests/test_fuzz_args.py covers
+one bad rank among good ones); a monitored_barrier or collective that a peer never joins times out naming the missing ranks."""
 import datetime
 import os
 import sys
@@ -73,8 +73,8 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
         # on every rank, and its other collectives still work.
         algo = "one_shot" if self.rank == 2 else "two_shot"
         g = dist.new_group([0, 1, 2], backend="cam", pg_options={"allreduce_algo": algo})
-        other = (r"rank 2 chose the one-shot algorithm while this rank chose two-shot" if self.rank != 2
-                 else r"rank 0 chose the two-shot \(reduce-scatter \+ all-gather\) algorithm while this rank chose one-shot")
+        other = (r"rank 2 chose the (eager )?one-shot algorithm while this rank chose two-shot" if self.rank != 2
+                 else r"rank 0 chose the two-shot \(reduce-scatter \+ all-gather\) algorithm while this rank chose (eager )?one-shot")
         with self.assertRaisesRegex(RuntimeError, self.prefix("all_reduce") + other +
                                     r".*the all_reduce algorithm options must be the same on every rank"):
             dist.all_reduce(torch.ones(5), group=g)
@@ -87,7 +87,7 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
         t = torch.ones(1024)  # 4096 bytes: one-shot everywhere
         dist.all_reduce(t, group=g)
         self.assertTrue(torch.all(t == 3))
-        with self.assertRaisesRegex(RuntimeError, self.prefix("all_reduce") + r"rank \d chose the (one|two)-shot"):
+        with self.assertRaisesRegex(RuntimeError, self.prefix("all_reduce") + r"rank \d chose the (eager one|one|two)-shot"):
             dist.all_reduce(torch.ones(1500), group=g)
         self.assert_group_usable(g)
         dist.destroy_process_group(g)
@@ -102,7 +102,8 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
         self.assert_group_usable()
 
     def test_reduce_size_and_op_mismatch(self):
-        with self.assertRaisesRegex(RuntimeError, self.prefix("reduce") + r"(rank 1|this rank) contributes 8 bytes of Float"):
+        with self.assertRaisesRegex(RuntimeError, self.prefix("reduce") + r"(rank 1 contributes 8 bytes of Float|rank \d contributes 12 bytes of Float "
+                                                                          r"while this rank contributes 8 bytes)"):
             dist.reduce(torch.ones(2 if self.rank == 1 else 3), dst=2)
         with self.assertRaisesRegex(RuntimeError, self.prefix("reduce") + r"rank \d reduces with (MIN|PRODUCT) while "
                                                                           r"this rank reduces with (MIN|PRODUCT)"):
@@ -218,7 +219,7 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
 
     # ---------------------------------------------------------------- local argument errors
     def test_unsupported_dtype_and_op(self):
-        # Refused on the calling rank before anything is queued (every rank refuses alike here).
+        # Every rank's own checks refuse these alike; each still takes part as a refusal.
         be = torch_cam.get_cam_backend()
         cases = [
             (torch.uint16, R.SUM, r"cannot reduce UInt16 tensors with SUM"),
@@ -236,25 +237,25 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
             t = torch.zeros(4, dtype=dtype)
             o = dist.AllreduceOptions()
             o.reduceOp = op
-            with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank %d: %s" % (self.rank, msg)):
+            with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank %d: %s" % (self.rank, msg)):
                 be.allreduce([t], o)
             ro = dist.ReduceOptions()
             ro.reduceOp = op
-            with self.assertRaisesRegex(RuntimeError, r"cam reduce on rank %d: %s" % (self.rank, msg)):
+            with self.assertRaisesRegex(RuntimeError, r"cam reduce \(seq \d+\) on rank %d: %s" % (self.rank, msg)):
                 be.reduce([t], ro)
             so = dist.ReduceScatterOptions()
             so.reduceOp = op
-            with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor on rank %d: %s" % (self.rank, msg)):
+            with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor \(seq \d+\) on rank %d: %s" % (self.rank, msg)):
                 be._reduce_scatter_base(torch.zeros(1, dtype=dtype), torch.zeros(3, dtype=dtype), so)
         # Through torch.distributed too.
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank %d: cannot reduce Long tensors with AVG" % self.rank):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank %d: cannot reduce Long tensors with AVG" % self.rank):
             dist.all_reduce(torch.zeros(3, dtype=torch.int64), op=R.AVG)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank %d: cannot reduce UInt16" % self.rank):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank %d: cannot reduce UInt16" % self.rank):
             dist.all_reduce(torch.zeros(3, dtype=torch.uint16))
         premul = dist._make_nccl_premul_sum(2.0)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank %d: reduce op \d+ \(PREMUL_SUM\) is not supported" % self.rank):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank %d: reduce op \d+ \(PREMUL_SUM\) is not supported" % self.rank):
             dist.all_reduce(torch.zeros(3), op=premul)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce_coalesced on rank %d: cannot reduce Float tensors with BOR" % self.rank):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce_coalesced \(seq \d+\) on rank %d: cannot reduce Float tensors with BOR" % self.rank):
             dist.all_reduce_coalesced([torch.zeros(3), torch.zeros(2)], op=R.BOR)
         self.assert_group_usable()
 
@@ -262,51 +263,51 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
         be = torch_cam.get_cam_backend()
         r = self.rank
         ag = dist.distributed_c10d.AllgatherOptions()
-        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor on rank %d: the output tensor \(3 x the "
+        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor \(seq \d+\) on rank %d: the output tensor \(3 x the "
                                                   r"input's 4\) has 11 elements, expected 12" % r):
             be._allgather_base(torch.empty(11), torch.ones(4), ag)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor on rank %d: input is Float but output is Int" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor \(seq \d+\) on rank %d: input is Float but output is Int" % r):
             be._allgather_base(torch.empty(12, dtype=torch.int32), torch.ones(4), ag)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_gather on rank %d: expected one list of 3 output tensors" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_gather \(seq \d+\) on rank %d: expected one list of 3 output tensors" % r):
             be.allgather([[torch.empty(4), torch.empty(4)]], [torch.ones(4)], ag)
         outs = [torch.empty(4) for _ in range(3)]
         outs[r] = torch.empty(5)  # only this rank's own slot is known locally (others may differ)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_gather on rank %d: output tensor %d \(this rank's\) has 5 "
+        with self.assertRaisesRegex(RuntimeError, r"cam all_gather \(seq \d+\) on rank %d: output tensor %d \(this rank's\) has 5 "
                                                   r"elements, expected 4" % (r, r)):
             be.allgather([outs], [torch.ones(4)], ag)
         ins = [torch.ones(2) for _ in range(3)]
         ins[r] = torch.ones(3)
-        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter on rank %d: input tensor %d \(this rank's block\) "
+        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter \(seq \d+\) on rank %d: input tensor %d \(this rank's block\) "
                                                   r"has 3 elements, expected 2" % (r, r)):
             be.reduce_scatter([torch.empty(2)], [ins], dist.ReduceScatterOptions())
-        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor on rank %d: the input tensor \(3 x the "
+        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor \(seq \d+\) on rank %d: the input tensor \(3 x the "
                                                   r"output's 2\) has 7 elements, expected 6" % r):
             be._reduce_scatter_base(torch.empty(2), torch.ones(7), dist.ReduceScatterOptions())
-        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor_coalesced on rank %d: output 0 must be contiguous" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_gather_into_tensor_coalesced \(seq \d+\) on rank %d: output 0 must be contiguous" % r):
             self.pg.allgather_into_tensor_coalesced([torch.empty(3, 4).t()], [torch.ones(4)], ag)
-        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor_coalesced on rank %d: every input tensor must be "
+        with self.assertRaisesRegex(RuntimeError, r"cam reduce_scatter_tensor_coalesced \(seq \d+\) on rank %d: every input tensor must be "
                                                   r"Float but input tensor 1 is Double" % r):
             self.pg.reduce_scatter_tensor_coalesced([torch.empty(1), torch.empty(1)], [torch.ones(3), torch.ones(3, dtype=torch.double)],
                                                dist.ReduceScatterOptions())
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce_coalesced on rank %d: every tensor must be Float but "
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce_coalesced \(seq \d+\) on rank %d: every tensor must be Float but "
                                                   r"tensor 1 is Int" % r):
             self.pg.allreduce_coalesced([torch.ones(3), torch.ones(3, dtype=torch.int32)], dist.AllreduceCoalescedOptions())
         go = dist.GatherOptions()
         go.rootRank = 7
-        with self.assertRaisesRegex(RuntimeError, r"cam gather on rank %d: root rank 7 is out of range" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam gather \(seq \d+\) on rank %d: root rank 7 is out of range" % r):
             be.gather([], [torch.ones(2)], go)
         go.rootRank = (r + 1) % 3
-        with self.assertRaisesRegex(RuntimeError, r"cam gather on rank %d: only the root rank %d passes output tensors" % (r, (r + 1) % 3)):
+        with self.assertRaisesRegex(RuntimeError, r"cam gather \(seq \d+\) on rank %d: only the root rank %d passes output tensors" % (r, (r + 1) % 3)):
             be.gather([[torch.empty(2)] * 3], [torch.ones(2)], go)
         so = dist.ScatterOptions()
         so.rootRank = (r + 1) % 3
-        with self.assertRaisesRegex(RuntimeError, r"cam scatter on rank %d: only the root rank %d passes input tensors" % (r, (r + 1) % 3)):
+        with self.assertRaisesRegex(RuntimeError, r"cam scatter \(seq \d+\) on rank %d: only the root rank %d passes input tensors" % (r, (r + 1) % 3)):
             be.scatter([torch.empty(2)], [[torch.ones(2)] * 3], so)
         ro = dist.ReduceOptions()
         ro.rootRank = -1
-        with self.assertRaisesRegex(RuntimeError, r"cam reduce on rank %d: root rank -1 is out of range" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam reduce \(seq \d+\) on rank %d: root rank -1 is out of range" % r):
             be.reduce([torch.ones(2)], ro)
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank %d: expected a CPU tensor" % r):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank %d: expected a CPU tensor" % r):
             be.allreduce([torch.ones(2, device="meta")], dist.AllreduceOptions())
         self.assert_group_usable()
 
@@ -332,6 +333,20 @@ def _monitored_barrier_missing(rank, world_size, init_file):
     return "", 0.0
 
 
+def _monitored_barrier_first_missing(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 30)
+    dist.barrier()
+    if rank == 2:
+        time.sleep(4)  # never joins
+        return "", 0.0
+    start = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=2))  # wait_all_ranks=False
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "no error", 0.0
+
+
 def _all_reduce_missing(rank, world_size, init_file):
     _init(rank, world_size, init_file, 2)
     if rank == 0:
@@ -352,6 +367,18 @@ class CollectiveTimeoutTest(unittest.TestCase):
         self.assertRegex(msg, r"cam monitored_barrier \(seq \d+\) on rank 0: timeout after 2000 ms waiting for "
                               r"ranks \[1, 2\] to reach the barrier \(2 ranks have not arrived\)")
         self.assertGreaterEqual(elapsed, 1.9)
+        self.assertLess(elapsed, 10)
+
+    def test_monitored_barrier_fails_on_the_first_missing_rank(self):
+        # As gloo: rank 0 names the first rank that did not arrive; the others say rank 0 failed.
+        results = run_ranks(_monitored_barrier_first_missing, 3, deadline_s=60)
+        msg, elapsed = results[0][1]
+        self.assertRegex(msg, r"cam monitored_barrier \(seq \d+\) on rank 0: timeout after 2000 ms waiting for "
+                              r"rank 2 to reach the barrier: Rank 2 failed to pass monitoredBarrier in 2000 ms")
+        self.assertLess(elapsed, 10)
+        msg, elapsed = results[1][1]
+        self.assertIn("Rank 1 successfully reached monitoredBarrier, but received errors while waiting for "
+                      "send/recv from rank 0", msg)
         self.assertLess(elapsed, 10)
 
     def test_all_reduce_timeout_names_op_and_peer(self):

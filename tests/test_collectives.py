@@ -171,7 +171,7 @@ class CamCollectivesCases(CamProcessGroupCase):
             t = xs[self.rank].clone()
             self.assertIs(torch_cam.all_reduce_(t, op), t)
             self.assertTrue(same_bytes(t, reference(xs, op)), f"{dtype} {op} n {n}")
-        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce on rank \d+: cannot reduce Float tensors with BAND"):
+        with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank \d+: cannot reduce Float tensors with BAND"):
             torch_cam.all_reduce_(torch.ones(3), R.BAND)
         t = torch.ones(5 if self.rank == 0 else 6)
         with self.assertRaisesRegex(RuntimeError, r"cam all_reduce \(seq \d+\) on rank \d+: .*contributes"):

@@ -64,6 +64,48 @@ def _detail_debug(rank, world_size, init_file):
     return _exercise(rank, world_size), type(backend).__name__
 
 
+def _one_rank_cannot_create_its_window(rank, world_size, init_file, subgroup):
+    import time
+    import torch_cam  # noqa: F401
+    too_big = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize + (64 << 20)
+    if not subgroup and rank == 1:
+        os.environ["TORCH_CAM_WINDOW_BYTES"] = str(too_big)
+    start = time.monotonic()
+    try:
+        dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+        if subgroup:
+            opts = {"window_bytes": too_big} if rank == 1 else None
+            g = dist.new_group([2, 1, 0], backend="cam", pg_options=opts)
+            dist.barrier(group=g)
+        return "no error", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+
+
+class InitFailureTest(unittest.TestCase):
+    """A rank that cannot create its window publishes why: every peer raises at once with that
+    reason (not at the group timeout), naming the group, and nothing is left in /dev/shm."""
+
+    def check(self, subgroup, group):
+        before = set(cam_segments())
+        results = run_ranks(_one_rank_cannot_create_its_window, 3, subgroup, deadline_s=90)
+        for r, (status, (msg, elapsed)) in sorted(results.items()):
+            self.assertEqual(status, "ok")
+            self.assertLess(elapsed, 10, f"rank {r} raised only after {elapsed:.1f} s: {msg}")
+            self.assertIn(f"cam init of group {group} on rank {r}: ", msg)
+            if r != 1:
+                self.assertIn("rank 1 could not set up its window: ", msg)
+            self.assertRegex(msg, r"the window needs [\d.]+ MiB of shared memory but /dev/shm has only")
+        self.assertEqual(set(cam_segments()) - before, set())
+
+    def test_world_group(self):
+        self.check(False, "'0' (global ranks all)")
+
+    def test_subgroup(self):
+        self.check(True, r"'1' (global ranks [0, 1, 2])")
+
+
 class InitMethodsTest(unittest.TestCase):
     def test_tcp_init_method(self):
         results = run_ranks(_with_init_method, 3, "tcp", _free_port(), deadline_s=90)

@@ -286,6 +286,26 @@ class MoeCases(CamProcessGroupCase):
                lambda: torch_cam.moe_distribute_dispatch(xb, ib, self.pg, W, r, M, global_bs=4 * W))
         expect(r"ep_rank_id is", lambda: torch_cam.moe_distribute_dispatch(
             x, good, self.pg, W, (r + 1) % W if r == 0 else r, M))
+        # Tokens or expert outputs that are not in host memory (a meta tensor) are refused, not
+        # read: every rank raises naming the bad rank.
+        xm = torch.empty(4, H, dtype=torch.bfloat16, device="meta") if r == W - 1 else x
+        expect(rf"(rank {W - 1} refused its arguments|on rank {W - 1}): x must be a dense CPU tensor, got one on meta",
+               lambda: torch_cam.moe_distribute_dispatch(xm, good, self.pg, W, r, M))
+        out = torch_cam.moe_distribute_dispatch(x, good, self.pg, W, r, M)
+        expand_x, _, expand_idx, _, ep_recv_counts = out[:5]
+        y = expert_fn(expand_x, r)
+        ym = torch.empty(y.shape, dtype=y.dtype, device="meta") if r == 0 else y
+        expect(r"(rank 0 refused its arguments|on rank 0): expand_x must be a dense CPU tensor, got one on meta",
+               lambda: torch_cam.moe_distribute_combine(ym, good, expand_idx, ep_recv_counts, None, self.pg, W, r, M))
+        # Fewer expert-output rows than dispatch served: refused before any row is read.
+        served = torch.tensor([int(ep_recv_counts[-1])])
+        dist.broadcast(served, 0)  # rank 0's count decides, on every rank alike
+        if int(served) > 0:
+            short = y[: int(served) - 1] if r == 0 else y
+            expect(r"(rank 0 refused its arguments|on rank 0): segment \d+ \[\d+, \d+\) lies outside the \d+ "
+                   r"expert output rows",
+                   lambda: torch_cam.moe_distribute_combine(short, good, expand_idx, ep_recv_counts, None, self.pg,
+                                                            W, r, M))
         # still usable
         self.run_case(M=M, K=2, seed=60)
 

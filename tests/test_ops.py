@@ -119,6 +119,16 @@ class CamOpsCases(CamProcessGroupCase):
         expected = torch.cat([full[j][4 * r:4 * r + 4] for j in range(w)])
         self.assertTrue(same_bytes(out, expected))
 
+    def test_all_to_all_single_rows_of_other_widths(self):
+        # Input rows of 6 elements, output rows of 3: what must agree is each block's bytes (as
+        # with gloo), not the row width. Rank i sends 2 input rows to every peer.
+        w, r = self.world_size, self.rank
+        inputs = [make((2 * w, 6), torch.float32, seed=80 + i) for i in range(w)]
+        out = torch.empty(4 * w, 3)
+        dist.all_to_all_single(out, inputs[r])
+        expected = torch.cat([inputs[j][2 * r:2 * r + 2].reshape(4, 3) for j in range(w)])
+        self.assertTrue(same_bytes(out, expected))
+
     def test_all_to_all_list(self):
         w, r = self.world_size, self.rank
         sizes = lambda i, j: (i + 2 * j) % 4 * 1000 + (7 if (i + j) % 2 else 0)  # noqa: E731

@@ -16,6 +16,13 @@ BACKEND_NAME = "cam"
 _backends: "weakref.WeakValueDictionary[str, _C.CamBackend]" = weakref.WeakValueDictionary()
 
 
+def _describe_group(dist_backend_opts) -> str:
+    """How messages name a group: its name and the global ranks it spans (torch passes no
+    ranks for the default group)."""
+    ranks = list(dist_backend_opts.global_ranks_in_group)
+    return f"'{dist_backend_opts.group_id}' (global ranks {ranks if ranks else 'all'})"
+
+
 def create_backend(dist_backend_opts, pg_options):
     opts = Options.from_env().merged(pg_options)
     backend = _C.CamBackend(
@@ -25,6 +32,7 @@ def create_backend(dist_backend_opts, pg_options):
         dist_backend_opts.timeout.total_seconds(),
         opts.to_native(),
         str(dist_backend_opts.group_id),
+        _describe_group(dist_backend_opts),
     )
     _backends[str(dist_backend_opts.group_id)] = backend
     return backend

@@ -100,23 +100,11 @@ def segments_table(counts: torch.Tensor, owners: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, ends - first, owners.to(torch.int64)], dim=1).contiguous()
 
 
-def _fail_collectively(backend, error: str, combine: bool = False):
-    """Runs the op carrying only this rank's error, so that every rank of the group raises it
-    (a rank that merely raised here would leave its peers waiting)."""
-    empty = torch.empty(0, 0)
-    if combine:
-        none = torch.empty(0, 0, dtype=torch.int32)
-        backend.moe_combine(error=error, rows=empty, segments=torch.empty(0, 3, dtype=torch.int64), quant=False,
-                            plan_peer=none, plan_seg=none, plan_off=none.long(), plan_weight=None, add=None,
-                            add_first=False, out=empty).wait()
-    else:
-        backend.moe_dispatch(
-            error=error, rows=empty, ids=torch.empty(0, 0, dtype=torch.int32), weights=None, aux=None,
-            token_active=torch.empty(0, dtype=torch.bool), smooth=None, smooth_shift=0, num_experts=1,
-            shared_ranks=0, experts_per_rank=1, quant=False, slab_rows=0, max_tokens=0, out_rows=empty,
-            out_scales=None, out_weights=None, out_info=None, info_stride=3, out_aux=None,
-            out_counts=torch.empty(0, dtype=torch.int32)).wait()
-    raise AssertionError("unreachable: a published error fails the op")  # pragma: no cover
+def _fail_collectively(backend, op: str, error: str, combine: bool = False):
+    """Takes part in the op as a refusal carrying this rank's reason, so that every rank of the
+    group raises it at once (a rank that merely raised here would leave its peers waiting)."""
+    backend.refuse("moe_combine" if combine else "moe_dispatch", op, error)
+    raise AssertionError("unreachable: a refusal raises")  # pragma: no cover
 
 
 class _Checks:
@@ -127,7 +115,7 @@ class _Checks:
 
     def require(self, ok: bool, what) -> bool:
         if not ok and not self.error:
-            self.error = f"cam {self.op} on rank {self.rank}: {what() if callable(what) else what}"
+            self.error = what() if callable(what) else what
         return ok
 
 
@@ -144,6 +132,14 @@ def _check_layout(c: _Checks, W: int, rank: int, ep_world_size, ep_rank_id, moe_
               lambda: f"moe_expert_num {moe_expert_num} must be a positive multiple of the "
                       f"{W - S} routed-expert ranks (ep_world_size - shared_expert_rank_num)")
     c.require(tp_world_size in (0, 1, 2), lambda: f"tp_world_size must be 0, 1 or 2, got {tp_world_size}")
+
+
+def _check_cpu(c: _Checks, **tensors) -> None:
+    """Every tensor argument lives in host memory: a meta or device tensor has no bytes here."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            c.require(t.device.type == "cpu" and t.layout == torch.strided,
+                      lambda: f"{name} must be a dense CPU tensor, got one on {t.device} with layout {t.layout}")
 
 
 def _check_performance_info(c: _Checks, info, W: int) -> None:
@@ -194,11 +190,13 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
               and expert_ids.shape[0] == (x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1),
               lambda: f"expert_ids must be an int32 (BS, K) tensor with BS = x.size(0), got "
                       f"{getattr(expert_ids, 'dtype', type(expert_ids))} of shape {tuple(getattr(expert_ids, 'shape', ()))}")
+    _check_cpu(c, x=x, expert_ids=expert_ids, scales=scales, x_active_mask=x_active_mask,
+               expert_scales=expert_scales, performance_info=performance_info)
     c.require(quant_mode in (0, 2), lambda: f"quant_mode must be 0 (none) or 2 (dynamic int8), got {quant_mode}")
     c.require(expert_token_nums_type in (0, 1), lambda: f"expert_token_nums_type must be 0 or 1, got {expert_token_nums_type}")
     c.require(global_bs >= 0 and global_bs % W == 0, lambda: f"global_bs must be 0 or a multiple of ep_world_size {W}, got {global_bs}")
     if c.error:
-        _fail_collectively(backend, c.error)
+        _fail_collectively(backend, op, c.error)
     L = M // (W - S)
     T = max(int(tp_world_size), 1)
     c.require(T == 1 or L == 1, lambda: f"tp_world_size 2 needs one expert per rank, got {L}")
@@ -218,7 +216,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
                           f"{', shared expert first' if S else ''}), got {tuple(scales.shape)}")
         smooth = scales.to(torch.float32).contiguous()
     if c.error:
-        _fail_collectively(backend, c.error)
+        _fail_collectively(backend, op, c.error)
 
     is_shared = rank < S
     L_here = 1 if is_shared else L
@@ -236,7 +234,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
         info, stride = None, 3
     expand_idx = None if v2 else torch.empty(BS * K, dtype=torch.int32)
     backend.moe_dispatch(
-        error="", rows=x.contiguous(), ids=routed, weights=None if expert_scales is None else expert_scales.to(torch.float32).contiguous(),
+        rows=x.contiguous(), ids=routed, weights=None if expert_scales is None else expert_scales.to(torch.float32).contiguous(),
         aux=None, token_active=token_active, smooth=smooth, smooth_shift=1 if S > 0 else 0,
         num_experts=M, shared_ranks=S, experts_per_rank=L, quant=quant, slab_rows=0,
         max_tokens=max_bs if global_bs else 0, out_rows=expand_x[:A], out_scales=dynamic_scales,
@@ -348,9 +346,12 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
                       f"{getattr(expand_x, 'dtype', type(expand_x))}")
     c.require(isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 2,
               "expert_ids must be the (BS, K) tensor passed to dispatch")
+    _check_cpu(c, expand_x=expand_x, expert_ids=expert_ids, expand_idx=expand_idx, ep_send_counts=ep_send_counts,
+               expert_scales=expert_scales, x_active_mask=x_active_mask, shared_expert_x=shared_expert_x,
+               performance_info=performance_info)
     c.require(comm_quant_mode in (0, 2), lambda: f"comm_quant_mode must be 0 or 2, got {comm_quant_mode}")
     if c.error:
-        _fail_collectively(backend, c.error, combine=True)
+        _fail_collectively(backend, op, c.error, combine=True)
     L = M // (W - S)
     T = max(int(tp_world_size), 1)
     BS, K = expert_ids.shape
@@ -369,7 +370,7 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
         c.require(isinstance(expand_idx, torch.Tensor) and expand_idx.numel() == BS * K,
                   lambda: f"expand_idx must be dispatch's ({BS * K},) expand_idx, got {tuple(getattr(expand_idx, 'shape', ()))}")
     if c.error:
-        _fail_collectively(backend, c.error, combine=True)
+        _fail_collectively(backend, op, c.error, combine=True)
     own = counts[: W * L_here]
     n_own = int(own[-1]) if own.numel() else 0
     rows = expand_x[:n_own]
@@ -414,7 +415,7 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
     owners = torch.where(seg_ids < S, rank, seg_ids) if is_shared else seg_ids % W
     out = backend.moe_empty([BS, H], expand_x.dtype)
     backend.moe_combine(
-        error="", rows=rows.contiguous(), segments=segments_table(own, owners), quant=comm_quant_mode == 2,
+        rows=rows.contiguous(), segments=segments_table(own, owners), quant=comm_quant_mode == 2,
         plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=weight,
         add=None if add is None else add.contiguous(), add_first=False, out=out,
         wait_us=performance_info).wait()

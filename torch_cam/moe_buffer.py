@@ -190,8 +190,8 @@ class Buffer:
             topk_idx = topk_weights = None
         else:
             if is_token_in_rank is None or topk_idx is None:
-                raise ValueError(f"cam Buffer.dispatch on rank {me}: pass is_token_in_rank and topk_idx "
-                                 "(from get_dispatch_layout) or a handle")
+                self.backend.refuse("all_gather", "Buffer.dispatch", "pass is_token_in_rank and topk_idx "
+                                    "(from get_dispatch_layout) or a handle")
             counts = is_token_in_rank.sum(dim=0).to(torch.int32)
             # The counts phase: every rank learns how many rows each rank sends each rank.
             gathered = torch.empty(R * R, dtype=torch.int32)
@@ -217,7 +217,7 @@ class Buffer:
         got_counts = torch.empty(R, dtype=torch.int32)
         ids = torch.where(is_token_in_rank, torch.arange(R, dtype=torch.int32), -1).to(torch.int32).contiguous()
         work = self.backend.moe_dispatch(
-            error="", rows=rows.contiguous(), ids=ids, weights=None, aux=aux,
+            rows=rows.contiguous(), ids=ids, weights=None, aux=aux,
             token_active=torch.zeros(T, dtype=torch.bool), smooth=None, smooth_shift=0, num_experts=R,
             shared_ranks=0, experts_per_rank=1, quant=False, slab_rows=0, max_tokens=-1,
             out_rows=recv_rows, out_scales=None, out_weights=None, out_info=info, info_stride=3,
@@ -295,7 +295,7 @@ class Buffer:
                 for b in parts[1:]:
                     add = add + b.to(torch.float32)
         combined = self.backend.moe_empty([T, x.shape[1]], x.dtype)
-        w1 = self.backend.moe_combine(error="", rows=x.contiguous(), segments=segments, quant=False, plan_peer=peer,
+        w1 = self.backend.moe_combine(rows=x.contiguous(), segments=segments, quant=False, plan_peer=peer,
                                       plan_seg=seg, plan_off=off, plan_weight=None,
                                       add=None if add is None else add.contiguous(), add_first=True, out=combined)
         works = [w1]
@@ -303,7 +303,7 @@ class Buffer:
         if topk_weights is not None:
             combined_w = torch.empty(T, topk_weights.shape[1], dtype=torch.float32)
             works.append(self.backend.moe_combine(
-                error="", rows=topk_weights.to(torch.float32).contiguous(), segments=segments, quant=False,
+                rows=topk_weights.to(torch.float32).contiguous(), segments=segments, quant=False,
                 plan_peer=peer, plan_seg=seg, plan_off=off, plan_weight=None, add=None, add_first=True,
                 out=combined_w))
 
@@ -327,13 +327,17 @@ class Buffer:
         rank order. Returns (recv_x, recv_count, handle, event, hook); with use_fp8 recv_x is
         (fp8 rows, scales [L, max*R, H/128] column-major in the last two dims)."""
         self._check()
-        if use_ue8m0:
-            raise NotImplementedError("cam Buffer.low_latency_dispatch: use_ue8m0 (packed UE8M0 scales) is "
-                                      "not supported; use round_scale=True for power-of-two scales")
         R, me = self.group_size, self.rank
+        # Refused on every rank at once (the op's peers would otherwise wait for this one).
+        if use_ue8m0:
+            self.backend.refuse("moe_dispatch", "Buffer.low_latency_dispatch", "use_ue8m0 (packed UE8M0 "
+                                "scales) is not supported; use round_scale=True for power-of-two scales")
         if num_experts % R:
-            raise ValueError(f"cam Buffer.low_latency_dispatch on rank {me}: num_experts {num_experts} must "
-                             f"be a multiple of the group size {R}")
+            self.backend.refuse("moe_dispatch", "Buffer.low_latency_dispatch",
+                                f"num_experts {num_experts} must be a multiple of the group size {R}")
+        if use_fp8 and x.dim() == 2 and x.shape[1] % FP8_BLOCK:
+            self.backend.refuse("moe_dispatch", "Buffer.low_latency_dispatch",
+                                f"fp8: hidden size {x.shape[1]} must be a multiple of {FP8_BLOCK}")
         L = num_experts // R
         T, H = x.shape
         slab = num_max_dispatch_tokens_per_rank * R
@@ -348,7 +352,7 @@ class Buffer:
         info = torch.empty(L * slab * 3, dtype=torch.int32)
         counts = torch.empty(R * L, dtype=torch.int32)
         work = self.backend.moe_dispatch(
-            error="", rows=rows.contiguous(), ids=topk_idx.to(torch.int32).contiguous(), weights=None,
+            rows=rows.contiguous(), ids=topk_idx.to(torch.int32).contiguous(), weights=None,
             aux=aux, token_active=torch.zeros(T, dtype=torch.bool), smooth=None, smooth_shift=0,
             num_experts=num_experts, shared_ranks=0, experts_per_rank=L, quant=False, slab_rows=slab,
             max_tokens=num_max_dispatch_tokens_per_rank, out_rows=recv.view(L * slab, H), out_scales=None,
@@ -418,7 +422,7 @@ class Buffer:
         combined = out if out is not None else self.backend.moe_empty([T, H], x.dtype)
         rows = x.reshape(L * slab, H)
         work = self.backend.moe_combine(
-            error="", rows=rows if rows.is_contiguous() else rows.contiguous(), segments=segments,
+            rows=rows if rows.is_contiguous() else rows.contiguous(), segments=segments,
             quant=False, plan_peer=peer, plan_seg=seg, plan_off=off,
             plan_weight=topk_weights.to(torch.float32).contiguous(), add=None, add_first=True,
             out=combined, wait_us=combine_wait_recv_cost_stats)

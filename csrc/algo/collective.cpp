@@ -21,6 +21,13 @@ const char* coll_kind_name(CollKind k) {
   return "unknown collective";
 }
 
+CollKind coll_kind_of(const std::string& name) {
+  for (int k = int(CollKind::kBarrier); k <= int(CollKind::kMoeCombine); ++k) {
+    if (name == coll_kind_name(CollKind(k))) return CollKind(k);
+  }
+  TORCH_CHECK_VALUE(false, "cam: no collective is named '", name, "'");
+}
+
 void CollectiveOp::refuse(Context& ctx, const std::string& what) const {
   throw ValidationError(where(ctx.rank) + ": " + what);
 }
@@ -35,31 +42,47 @@ std::string uneven_all_gather_mismatch(int other, bool this_rank_uneven) {
                    "every rank must pass the same output sizes");
 }
 
-std::string CollectiveOp::waiting_for() const {
-  if (missing_.empty()) return Op::waiting_for();
-  std::string ranks;
-  for (int r : missing_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  // Also in gloo's words, which tools and tests match on.
-  if (timeout_ms() == 0) {
-    return str("ranks [", ranks, "] to reach the barrier: Rank ", my_rank_,
-               " timed out in monitoredBarrier after 0 ms");
+void CollectiveOp::publish(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  CollDesc* d = L.desc(ctx.me, seq());
+  std::memset(d, 0, L.desc_fixed_bytes());
+  d->op = int32_t(kind_);
+  fill_desc(ctx, d);
+  d->seq = seq();
+  signal_release(L.desc_seq(ctx.me), seq());
+}
+
+void CollectiveOp::check_peer_descriptor(Context& ctx, int r, const CollDesc* d) const {
+  if (d->refused) {
+    const char* text = ctx.L.desc_refusal(d);
+    std::string why(text, strnlen(text, kRefusalTextBytes));
+    refuse(ctx, r == ctx.rank ? why : str("rank ", r, " refused its arguments: ", why));
   }
-  return str("ranks [", ranks, "] to reach the barrier (", missing_.size(),
-             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived): ",
-             missing_.size() == 1 ? "Rank " : "Ranks ", ranks, " failed to pass monitoredBarrier in ",
-             timeout_ms(), " ms");
+  if (d->op != int32_t(kind_)) {
+    refuse(ctx, str("rank ", r, " issued ", coll_kind_name(CollKind(d->op)), " as its collective #", seq(),
+                    " while this rank issued ", coll_kind_name(kind_),
+                    "; every rank of a group must issue the same collectives in the same order"));
+  }
+}
+
+void CollectiveOp::check_descriptors(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  std::vector<const CollDesc*> descs(ctx.world);
+  for (int r = 0; r < ctx.world; ++r) {
+    descs[r] = L.desc(ctx.peer(r), seq());
+    TORCH_INTERNAL_ASSERT(descs[r]->seq == seq(), where(ctx.rank), ": rank ", r,
+                          " descriptor slot holds seq ", descs[r]->seq);
+  }
+  check_peer_descriptor(ctx, ctx.rank, descs[ctx.rank]);  // its own reason, if it refused
+  for (int r = 0; r < ctx.world; ++r) check_peer_descriptor(ctx, r, descs[r]);
+  validate(ctx, descs);
 }
 
 bool CollectiveOp::step(Context& ctx) {
   const WindowLayout& L = ctx.L;
   bool progress = false;
   if (phase_ == Phase::kPublish) {
-    CollDesc* d = L.desc(ctx.me, seq());
-    std::memset(d, 0, L.desc_slot_bytes());
-    d->op = int32_t(kind_);
-    fill_desc(ctx, d);
-    d->seq = seq();
-    signal_release(L.desc_seq(ctx.me), seq());
+    publish(ctx);
     phase_ = Phase::kExchange;
     progress = true;
     if (record_arrivals_) {
@@ -69,13 +92,6 @@ bool CollectiveOp::step(Context& ctx) {
     }
   }
   if (phase_ == Phase::kExchange) {
-    if (name_all_missing_) {
-      my_rank_ = ctx.rank;
-      missing_.clear();
-      for (int p = 0; p < ctx.world; ++p) {
-        if (p != ctx.rank && signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
-      }
-    }
     if (record_arrivals_) {
       const auto now = Clock::now();
       for (int p = 0; p < ctx.world; ++p) {
@@ -91,29 +107,76 @@ bool CollectiveOp::step(Context& ctx) {
         return progress;
       }
     }
-    std::vector<const CollDesc*> descs(ctx.world);
-    for (int r = 0; r < ctx.world; ++r) {
-      descs[r] = L.desc(ctx.peer(r), seq());
-      TORCH_INTERNAL_ASSERT(descs[r]->seq == seq(), where(ctx.rank), ": rank ", r,
-                            " descriptor slot holds seq ", descs[r]->seq);
-    }
-    for (int r = 0; r < ctx.world; ++r) {
-      if (descs[r]->op != int32_t(kind_)) {
-        refuse(ctx, str("rank ", r, " issued ", coll_kind_name(CollKind(descs[r]->op)),
-                        " as its collective #", seq(), " while this rank issued ",
-                        coll_kind_name(kind_),
-                        "; every rank of a group must issue the same collectives in the same "
-                        "order"));
-      }
-    }
-    // Move to the data phase before validating: a refused op is finished either way, and the
+    // Move to the data phase before checking: a refused op is finished either way, and the
     // next collective starts from a clean exchange.
     phase_ = Phase::kData;
-    validate(ctx, descs);
+    check_descriptors(ctx);
     progress = true;
   }
   progress |= data_step(ctx);
   return progress;
+}
+
+void RefusedOp::fill_desc(Context& ctx, CollDesc* d) {
+  d->refused = 1;
+  char* text = ctx.L.desc_refusal(d);
+  const size_t n = std::min(reason_.size(), kRefusalTextBytes - 1);
+  std::memcpy(text, reason_.data(), n);
+  text[n] = 0;
+}
+
+bool MonitoredBarrierOp::step(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  bool progress = false;
+  my_rank_ = ctx.rank;
+  if (!published_) {
+    publish(ctx);
+    published_ = true;
+    progress = true;
+  }
+  if (ctx.rank == 0) {
+    missing_.clear();
+    for (int p = 1; p < ctx.world; ++p) {
+      if (signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
+    }
+    if (!missing_.empty()) return progress;
+    // Every rank has published seq, so each finished seq - 1 and reads no counter of it.
+    for (int p = 1; p < ctx.world; ++p) signal_release(L.produced(ctx.me, p), stream_value(seq(), 1));
+  } else if (signal_acquire(L.produced(ctx.peer(0), ctx.rank)) < stream_value(seq(), 1)) {
+    // Rank 0 refused, or issued another collective: it will never release this barrier.
+    if (signal_acquire(L.desc_seq(ctx.peer(0))) >= seq()) {
+      const CollDesc* d0 = L.desc(ctx.peer(0), seq());
+      if (d0->seq == seq()) check_peer_descriptor(ctx, 0, d0);
+    }
+    return progress;
+  }
+  check_descriptors(ctx);
+  mark_done();
+  return true;
+}
+
+std::string MonitoredBarrierOp::waiting_for() const {
+  if (my_rank_ > 0) {
+    return str("rank 0 to release the barrier (it does once every rank has arrived): Rank ", my_rank_,
+               " successfully reached monitoredBarrier, but received errors while waiting for send/recv "
+               "from rank 0");
+  }
+  if (missing_.empty()) return Op::waiting_for();
+  std::string ranks;
+  for (int r : missing_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  // Also in gloo's words, which tools and tests match on.
+  if (timeout_ms() == 0) {
+    return str("ranks [", ranks, "] to reach the barrier: Rank ", my_rank_,
+               " timed out in monitoredBarrier after 0 ms");
+  }
+  if (!wait_all_) {
+    return str("rank ", missing_[0], " to reach the barrier: Rank ", missing_[0],
+               " failed to pass monitoredBarrier in ", timeout_ms(), " ms");
+  }
+  return str("ranks [", ranks, "] to reach the barrier (", missing_.size(),
+             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived): ",
+             missing_.size() == 1 ? "Rank " : "Ranks ", ranks, " failed to pass monitoredBarrier in ",
+             timeout_ms(), " ms");
 }
 
 }  // namespace cam

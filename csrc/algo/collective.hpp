@@ -27,6 +27,8 @@ enum class CollKind : int32_t {
   kMoeCombine,
 };
 const char* coll_kind_name(CollKind k);
+// The kind named `name` (as coll_kind_name spells it); throws ValueError for any other name.
+CollKind coll_kind_of(const std::string& name);
 
 // all_gather runs as staged rounds when every output has the input's size and over the
 // all-to-all channels otherwise; ranks that disagree learn it from the descriptors' algo field
@@ -49,32 +51,52 @@ class CollectiveOp : public Op {
   virtual bool data_step(Context& ctx) = 0;
   // Throws ValidationError with this op's prefix.
   [[noreturn]] void refuse(Context& ctx, const std::string& what) const;
+  // Phase 1, first half: zero this rank's slot, fill it, release its sequence number.
+  void publish(Context& ctx);
+  // Phase 1, second half, once every descriptor of this op is visible: a rank's refusal of its
+  // own arguments first (every peer names it), then the op kind, then validate(). Refuses alike
+  // on every rank.
+  void check_descriptors(Context& ctx);
+  // Refuses when rank r's descriptor is a refusal or names another collective.
+  void check_peer_descriptor(Context& ctx, int r, const CollDesc* d) const;
 
   CollKind kind_;
-  // monitored_barrier: a timeout names every rank that has not arrived, not just the first.
-  bool name_all_missing_ = false;
   // When set, arrival_us_[p] becomes how long after publishing this rank first saw peer p's
   // descriptor (0 for itself): per-peer wait times, for slow-rank diagnosis.
   bool record_arrivals_ = false;
   std::vector<int64_t> arrival_us_;
 
- public:
-  std::string waiting_for() const override;
-
  private:
-  std::vector<int> missing_;
-  int my_rank_ = -1;
   enum class Phase { kPublish, kExchange, kData } phase_ = Phase::kPublish;
   int next_peer_ = 0;
   Clock::time_point published_at_;
 };
 
+// What a rank issues in place of an op whose arguments its own checks refused: a descriptor
+// that carries the reason, so every peer fails the op at once naming this rank (instead of
+// waiting out the timeout for a descriptor that never comes), the sequence numbers of all
+// ranks stay aligned, and the group stays usable.
+class RefusedOp final : public CollectiveOp {
+ public:
+  RefusedOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, std::string reason)
+      : CollectiveOp(name, kind, seq, deadline), reason_(std::move(reason)) {}
+
+ protected:
+  void fill_desc(Context& ctx, CollDesc* d) override;
+  void validate(Context&, const std::vector<const CollDesc*>&) override {}
+  bool data_step(Context&) override {
+    mark_done();
+    return true;
+  }
+
+ private:
+  std::string reason_;
+};
+
 class BarrierOp final : public CollectiveOp {
  public:
-  BarrierOp(uint64_t seq, Clock::time_point deadline, bool monitored = false)
-      : CollectiveOp(monitored ? "monitored_barrier" : "barrier", CollKind::kBarrier, seq, deadline) {
-    name_all_missing_ = monitored;
-  }
+  BarrierOp(uint64_t seq, Clock::time_point deadline)
+      : CollectiveOp("barrier", CollKind::kBarrier, seq, deadline) {}
 
  protected:
   void fill_desc(Context&, CollDesc*) override {}
@@ -83,6 +105,29 @@ class BarrierOp final : public CollectiveOp {
     mark_done();
     return true;
   }
+};
+
+// monitored_barrier, arranged as gloo's: rank 0 waits for every rank's descriptor, then
+// releases the others (its produced[r] counters, unused by a barrier's data). A timeout on
+// rank 0 names the first rank that has not arrived (every one with wait_all_ranks); on the
+// others it says that rank 0 did not release them.
+class MonitoredBarrierOp final : public CollectiveOp {
+ public:
+  MonitoredBarrierOp(uint64_t seq, Clock::time_point deadline, bool wait_all_ranks)
+      : CollectiveOp("monitored_barrier", CollKind::kBarrier, seq, deadline), wait_all_(wait_all_ranks) {}
+  bool step(Context& ctx) override;
+  std::string waiting_for() const override;
+
+ protected:
+  void fill_desc(Context&, CollDesc*) override {}
+  void validate(Context&, const std::vector<const CollDesc*>&) override {}
+  bool data_step(Context&) override { return false; }
+
+ private:
+  bool wait_all_;
+  bool published_ = false;
+  int my_rank_ = -1;
+  std::vector<int> missing_;  // rank 0: who has not arrived yet
 };
 
 // Broadcast: the root copies its tensor once into a ring of slots in its own staging region;

@@ -1,5 +1,7 @@
 #include "p2p.hpp"
 
+#include <cstring>
+
 #include "../../kernels/copy.hpp"
 
 namespace cam {
@@ -12,6 +14,16 @@ SendOp::SendOp(Clock::time_point deadline, int dst_, int tag_, at::Tensor tensor
       buf(tensor.contiguous()), nbytes(int64_t(tensor.nbytes())) {
   outputs_ = {std::move(tensor)};
 }
+
+SendOp::SendOp(Clock::time_point deadline, int dst_, int tag_, const std::string& reason)
+    : Op("send", 0, deadline), dst(dst_), tag(tag_), dtype(kRefusalDtype),
+      buf(at::empty({int64_t(reason.size())}, at::kByte)), nbytes(int64_t(reason.size())) {
+  std::memcpy(buf.data_ptr(), reason.data(), reason.size());
+}
+
+RecvOp::RecvOp(uint64_t seq, Clock::time_point deadline, int src_, int tag_, std::string reason)
+    : Op("recv", seq, deadline), src(src_), tag(tag_), dtype(kRefusalDtype), nbytes(-1),
+      refusal(std::move(reason)) {}
 
 RecvOp::RecvOp(uint64_t seq, Clock::time_point deadline, int src_, int tag_, at::Tensor tensor)
     : Op("recv", seq, deadline), src(src_), tag(tag_), dtype(int(tensor.scalar_type())),
@@ -72,10 +84,45 @@ bool P2PEngine::needs_drain(int src) const {
   return false;
 }
 
+void P2PEngine::fail_told(Context& ctx, Record& rec, Finished& finished) {
+  std::string reason(rec.buffer.begin(), rec.buffer.end());
+  rec.told->fail(std::make_exception_ptr(ValidationError(str(
+      rec.told->where(ctx.rank), ": rank ", rec.src, " refused its arguments for the send (tag ", rec.hdr.tag,
+      ") this recv matched: ", reason))));
+  finished.push_back(rec.told);
+  rec.told.reset();
+  std::vector<char>().swap(rec.buffer);
+}
+
 void P2PEngine::bind(Context& ctx, const std::shared_ptr<Record>& rec,
                      const std::shared_ptr<RecvOp>& r, Finished& finished) {
-  const bool ok = r->nbytes == rec->hdr.nbytes && r->dtype == rec->hdr.dtype;
   AckSlot& a = ctx.L.ack(ctx.me, rec->src, rec->msg);
+  if (r->refused()) {
+    // Tell the sender why this rank's recv refused; the message is dropped.
+    a.expected_nbytes = 0;
+    a.expected_dtype = kRefusalDtype;
+    a.status = kAckRefused;
+    const size_t n = std::min(r->refusal.size(), kAckReasonBytes - 1);
+    std::memcpy(a.reason, r->refusal.data(), n);
+    a.reason[n] = 0;
+    signal_release(a.seq, rec->msg + 1);
+    r->matched(rec->src);
+    rec->discard = true;
+    rec->buffer.clear();
+    r->fail(std::make_exception_ptr(ValidationError(r->refusal)));
+    finished.push_back(r);
+    return;
+  }
+  if (rec->hdr.dtype == kRefusalDtype) {
+    // The sender refused its own arguments; its reason is the payload (always drained).
+    a.status = kAckOk;
+    signal_release(a.seq, rec->msg + 1);
+    r->matched(rec->src);
+    rec->told = r;
+    if (rec->complete) fail_told(ctx, *rec, finished);
+    return;
+  }
+  const bool ok = r->nbytes == rec->hdr.nbytes && r->dtype == rec->hdr.dtype;
   a.expected_nbytes = r->nbytes;
   a.expected_dtype = r->dtype;
   a.status = ok ? kAckOk : kAckSizeMismatch;
@@ -128,8 +175,13 @@ bool P2PEngine::progress_acks(Context& ctx, int dst, Finished& finished) {
       ++it;
       continue;
     }
-    if (a.status == kAckOk) {
-      s.finish_ok();
+    if (a.status == kAckOk || s.dtype == kRefusalDtype) {
+      s.finish_ok();  // a refused send already raised on its caller
+    } else if (a.status == kAckRefused) {
+      s.fail(std::make_exception_ptr(ValidationError(str(
+          s.where(ctx.rank), " to rank ", dst, " (tag ", s.tag, "): the matching recv on rank ", dst,
+          " refused its arguments: ", std::string(a.reason, strnlen(a.reason, kAckReasonBytes)),
+          "; the message was dropped"))));
     } else {
       s.fail(std::make_exception_ptr(ValidationError(str(
           s.where(ctx.rank), " to rank ", dst, " (tag ", s.tag, "): the message holds ",
@@ -233,7 +285,11 @@ bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
     }
     Record& rec = *cur;
     const int64_t payload = padded(rec.hdr.nbytes);
-    if (rec.consumed < payload && !rec.bound && !rec.discard && !needs_drain(src)) break;  // leave it in the ring
+    // An unmatched message stays in the ring, unless a posted recv waits behind it or it is a
+    // refusal (a reason of at most a few hundred bytes).
+    if (rec.consumed < payload && !rec.bound && !rec.discard && !needs_drain(src) &&
+        rec.hdr.dtype != kRefusalDtype)
+      break;
     while (rec.consumed < payload) {
       int64_t avail = int64_t(head - tail);
       if (avail == 0) {
@@ -261,6 +317,8 @@ bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
     if (rec.bound) {
       rec.bound->complete();
       finished.push_back(rec.bound);
+    } else if (rec.told) {
+      fail_told(ctx, rec, finished);
     }
     cur.reset();  // an unbound message stays queued in unexpected_[src], complete
   }

@@ -13,6 +13,12 @@
 // Binding writes an acknowledgement slot (in the receiver's window) that tells the sender the
 // size and dtype the recv expected; a send completes once its bytes are in the ring and it is
 // acknowledged, so a size or dtype mismatch fails on both sides and no data is corrupted.
+//
+// Refusals: a send whose own checks refused its arguments is still sent, as a message of dtype
+// kRefusalDtype whose payload is the reason, and fails the recv it matches; a refused recv
+// still matches the next message and answers it with kAckRefused and its reason in the ack
+// slot, failing the send. So one rank's bad argument fails its partner at once, not at the
+// timeout.
 #pragma once
 
 #include <deque>
@@ -31,10 +37,13 @@ struct alignas(64) MsgHeader {
   int32_t dtype;
 };
 static_assert(sizeof(MsgHeader) == 64);
+constexpr int32_t kRefusalDtype = -1;  // MsgHeader::dtype of a refused send (no ScalarType is < 0)
 
 class SendOp final : public Op {
  public:
   SendOp(Clock::time_point deadline, int dst, int tag, at::Tensor tensor);
+  // A refused send: the message carries `reason` instead of a tensor.
+  SendOp(Clock::time_point deadline, int dst, int tag, const std::string& reason);
   bool step(Context&) override { return false; }  // progressed by P2PEngine
   void assign_index(uint64_t msg) { set_seq(msg); }
   // Header plus payload padded to 64 bytes: what the message occupies in the outbox.
@@ -52,6 +61,9 @@ class SendOp final : public Op {
 class RecvOp final : public Op {
  public:
   RecvOp(uint64_t seq, Clock::time_point deadline, int src, int tag, at::Tensor tensor);
+  // A refused recv: it matches like any recv and answers the message with `reason`.
+  RecvOp(uint64_t seq, Clock::time_point deadline, int src, int tag, std::string reason);
+  bool refused() const { return !refusal.empty(); }
   bool step(Context&) override { return false; }  // progressed by P2PEngine
   void finalize() override;
   void matched(int src) { source_rank_ = src; }
@@ -60,6 +72,7 @@ class RecvOp final : public Op {
   int src, tag, dtype;  // src < 0: any source
   at::Tensor user, buf;
   int64_t nbytes;
+  std::string refusal;
 };
 
 class P2PEngine {
@@ -81,6 +94,7 @@ class P2PEngine {
     bool discard = false;
     std::vector<char> buffer;  // payload drained before a recv matched
     std::shared_ptr<RecvOp> bound;
+    std::shared_ptr<RecvOp> told;  // a recv matched to a refused send: fails once the reason is in
   };
   bool progress_acks(Context& ctx, int dst, Finished& finished);
   bool progress_tx(Context& ctx, int dst);
@@ -89,6 +103,7 @@ class P2PEngine {
   std::shared_ptr<RecvOp> match_posted(int src, int tag);
   void bind(Context& ctx, const std::shared_ptr<Record>& rec, const std::shared_ptr<RecvOp>& r,
             Finished& finished);
+  void fail_told(Context& ctx, Record& rec, Finished& finished);
 
   int world_;
   std::vector<std::deque<std::shared_ptr<SendOp>>> tx_queue_;

@@ -1,6 +1,9 @@
 #include "cam_backend.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <sched.h>
+
+#include <set>
 
 #include "../algo/collective.hpp"
 #include "../algo/p2p.hpp"
@@ -9,7 +12,7 @@
 namespace cam {
 
 CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       CamConfig cfg, std::string group_id)
+                       CamConfig cfg, std::string group_id, const std::string& group_desc)
     : c10d::Backend(rank, size), group_id_(std::move(group_id)) {
   cfg.validate(size);
   // More ranks than usable CPUs: a rank that pause-spins may be holding the very core the
@@ -18,7 +21,7 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && size > CPU_COUNT(&cpus)) cfg.spin_us = 0;
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
                       cfg.tensor_heap_bytes, cfg.eager_max_bytes);
-  auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout);
+  auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout, group_desc);
   output_pool_ = std::make_shared<OutputPool>(cfg.moe_output_cache_bytes);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));
 }
@@ -77,24 +80,29 @@ Clock::time_point CamBackend::deadline(std::chrono::milliseconds op_timeout) con
   return Clock::now() + t;
 }
 
-void CamBackend::check_tensor(const char* op, const at::Tensor& t, const char* what) const {
-  TORCH_CHECK(t.defined(), "cam ", op, " on rank ", rank_, ": the ", what, " is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "cam ", op, " on rank ", rank_, ": expected a CPU ", what,
+void CamBackend::check_tensor(const at::Tensor& t, const char* what) const {
+  CAM_CHECK_ARG(t.defined(), "the ", what, " is undefined");
+  CAM_CHECK_ARG(t.device().is_cpu(), "expected a CPU ", what,
               ", got one on ", t.device(),
               " (this build of cam moves CPU tensors through host shared memory)");
-  TORCH_CHECK(t.layout() == at::kStrided, "cam ", op, " on rank ", rank_, ": expected a dense ",
+  CAM_CHECK_ARG(t.layout() == at::kStrided, "expected a dense ",
               what, ", got layout ", t.layout());
 }
 
-const at::Tensor& CamBackend::single_tensor(const char* op, std::vector<at::Tensor>& tensors) const {
-  TORCH_CHECK(tensors.size() == 1, "cam ", op, " on rank ", rank_,
-              ": expected exactly one tensor, got ", tensors.size());
-  check_tensor(op, tensors[0]);
+const at::Tensor& CamBackend::single_tensor(std::vector<at::Tensor>& tensors) const {
+  CAM_CHECK_ARG(tensors.size() == 1, "expected exactly one tensor, got ", tensors.size());
+  check_tensor(tensors[0]);
   return tensors[0];
 }
 
-void CamBackend::check_peer(const char* op, int peer, const char* role) const {
-  TORCH_CHECK(peer >= 0 && peer < size_, "cam ", op, " on rank ", rank_, ": ", role, " rank ",
+void check_writable(const at::Tensor& t, const char* what) {
+  CAM_CHECK_ARG(at::has_internal_overlap(t) != at::MemOverlap::Yes, "the ", what,
+                " is written but has elements that share memory (an expanded or overlapping view, strides ",
+                t.strides(), ")");
+}
+
+void CamBackend::check_peer(int peer, const char* role) const {
+  CAM_CHECK_ARG(peer >= 0 && peer < size_, role, " rank ",
               peer, " is out of range for a group of ", size_, " ranks (expected 0..", size_ - 1, ")");
 }
 
@@ -125,6 +133,31 @@ c10::intrusive_ptr<c10d::Work> CamBackend::endCoalescing() {
   return c10::make_intrusive<CamCoalescedWork>(rank_, std::move(works));
 }
 
+void CamBackend::refuse_collective(const char* op, CollKind kind, const std::string& reason) {
+  auto dl = deadline(c10d::kUnsetTimeout);
+  uint64_t seq = 0;
+  launch_collective(
+      [&](uint64_t s) {
+        seq = s;
+        return std::make_shared<RefusedOp>(op, kind, s, dl, reason);
+      },
+      c10d::OpType::UNKNOWN, "cam:refused", {});
+  throw ValidationError(str("cam ", op, " (seq ", seq, ") on rank ", rank_, ": ", reason));
+}
+
+void CamBackend::refuse(const std::string& kind, const std::string& op, const std::string& reason) {
+  const CollKind k = coll_kind_of(kind);
+  // Ops keep their name as a pointer: names from front ends live for the process.
+  static std::mutex mu;
+  static std::set<std::string> names;
+  const char* name;
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    name = names.insert(op).first->c_str();
+  }
+  refuse_collective(name, k, reason);
+}
+
 c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& opts) {
   auto dl = deadline(opts.timeout);
   return launch_collective([&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl); },
@@ -133,40 +166,47 @@ c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& o
 
 c10::intrusive_ptr<c10d::Work> CamBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single_tensor("broadcast", tensors);
-  check_peer("broadcast", int(opts.rootRank), "root");
-  TORCH_CHECK(opts.rootTensor == 0, "cam broadcast on rank ", rank_,
-              ": expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
-  auto dl = deadline(opts.timeout);
-  const int root = int(opts.rootRank);
-  return launch_collective(
-      [&](uint64_t seq) { return std::make_shared<BroadcastOp>(seq, dl, root, root == rank_, t); },
-      c10d::OpType::BROADCAST, "cam:broadcast", tensors);
+  return collective("broadcast", CollKind::kBroadcast, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    check_writable(t, "tensor");
+    check_peer(int(opts.rootRank), "root");
+    CAM_CHECK_ARG(opts.rootTensor == 0, "expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
+    auto dl = deadline(opts.timeout);
+    const int root = int(opts.rootRank);
+    return launch_collective(
+        [&](uint64_t seq) { return std::make_shared<BroadcastOp>(seq, dl, root, root == rank_, t); },
+        c10d::OpType::BROADCAST, "cam:broadcast", tensors);
+  });
 }
 
 namespace {
-// Row offsets of each peer's block along dim 0, from split sizes (empty: equal splits).
-std::vector<int64_t> resolve_splits(const char* op, int rank, int world, const at::Tensor& t,
-                                    const std::vector<int64_t>& splits, const char* which) {
+// Rows of each peer's block along dim 0, from split sizes (empty: equal splits).
+std::vector<int64_t> resolve_splits(int world, const at::Tensor& t, const std::vector<int64_t>& splits,
+                                    const char* which) {
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   if (splits.empty()) {
-    TORCH_CHECK(rows % world == 0, "cam ", op, " on rank ", rank, ": the ", which,
-                " tensor has ", rows, " rows along dim 0, which does not split evenly over ",
-                world, " ranks; pass ", which, "_split_sizes");
+    CAM_CHECK_ARG(rows % world == 0, "the ", which, " tensor has ", rows,
+                  " rows along dim 0, which does not split evenly over ", world, " ranks; pass ", which,
+                  "_split_sizes");
     return std::vector<int64_t>(world, rows / world);
   }
-  TORCH_CHECK(int(splits.size()) == world, "cam ", op, " on rank ", rank, ": ", which,
-              "_split_sizes has ", splits.size(), " entries, expected one per rank (", world, ")");
+  CAM_CHECK_ARG(int(splits.size()) == world, which, "_split_sizes has ", splits.size(),
+                " entries, expected one per rank (", world, ")");
   int64_t sum = 0;
   for (int j = 0; j < world; ++j) {
-    TORCH_CHECK(splits[j] >= 0, "cam ", op, " on rank ", rank, ": ", which, "_split_sizes[", j,
-                "] is negative (", splits[j], ")");
-    sum += splits[j];
+    CAM_CHECK_ARG(splits[j] >= 0, which, "_split_sizes[", j, "] is negative (", splits[j], ")");
+    CAM_CHECK_ARG(!__builtin_add_overflow(sum, splits[j], &sum), which,
+                  "_split_sizes overflow int64 when added up (entry ", j, " is ", splits[j], ")");
   }
-  TORCH_CHECK(sum == rows, "cam ", op, " on rank ", rank, ": ", which,
-              "_split_sizes add up to ", sum, " but the ", which, " tensor has ", rows,
-              " rows along dim 0");
+  CAM_CHECK_ARG(sum == rows, which, "_split_sizes add up to ", sum, " but the ", which, " tensor has ", rows,
+                " rows along dim 0");
   return splits;
+}
+
+// Bytes of one row along dim 0 (a 0-d tensor is one row).
+int64_t row_bytes(const at::Tensor& t) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  return rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
 }
 }  // namespace
 
@@ -175,114 +215,150 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& input_splits,
                                                          const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all_single";
-  check_tensor(op, input, "input tensor");
-  check_tensor(op, output, "output tensor");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "cam ", op, " on rank ", rank_,
-              ": input is ", input.scalar_type(), " but output is ", output.scalar_type());
-  auto in_rows = resolve_splits(op, rank_, size_, input, input_splits, "input");
-  auto out_rows = resolve_splits(op, rank_, size_, output, output_splits, "output");
-  // Bytes of one row along dim 0 (a 0-d tensor is one row).
-  auto row_bytes = [](const at::Tensor& t) -> int64_t {
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    return rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
-  };
-  const int64_t in_row_bytes = row_bytes(input);
-  const int64_t out_row_bytes = row_bytes(output);
-  if (input.numel() > 0 && output.numel() > 0) {
-    TORCH_CHECK(in_row_bytes == out_row_bytes, "cam ", op, " on rank ", rank_,
-                ": input rows hold ", in_row_bytes, " bytes but output rows hold ", out_row_bytes,
-                " bytes; dims after the first must match");
-  }
-  at::Tensor in = input.contiguous();
-  at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
-  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
-  if (!out.is_same(output)) copy_back.emplace_back(output, out);
-  std::vector<AllToAllBlock> send(size_), recv(size_);
-  char* in_ptr = static_cast<char*>(in.data_ptr());
-  char* out_ptr = static_cast<char*>(out.data_ptr());
-  int64_t in_off = 0, out_off = 0;
-  for (int j = 0; j < size_; ++j) {
-    send[j] = {in_ptr + in_off, in_rows[j] * in_row_bytes};
-    recv[j] = {out_ptr + out_off, out_rows[j] * out_row_bytes};
-    in_off += send[j].nbytes;
-    out_off += recv[j].nbytes;
-  }
-  auto dl = deadline(opts.timeout);
-  const int dtype = int(input.scalar_type());
-  return launch_collective(
-      [&](uint64_t seq) {
-        return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, dtype, std::move(send), std::move(recv),
-                                            std::vector<at::Tensor>{in, out}, std::move(copy_back),
-                                            std::vector<at::Tensor>{output});
-      },
-      c10d::OpType::ALLTOALL_BASE, "cam:all_to_all_single", {input});
+  return collective(op, CollKind::kAllToAll, [&] {
+    check_tensor(input, "input tensor");
+    check_tensor(output, "output tensor");
+    check_writable(output, "output tensor");
+    CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(),
+                  " but output is ", output.scalar_type());
+    auto in_rows = resolve_splits(size_, input, input_splits, "input");
+    auto out_rows = resolve_splits(size_, output, output_splits, "output");
+    // Rows of input and output may differ in width: what must agree is the bytes of each
+    // (sender, receiver) block, which every rank checks against its peers' descriptors.
+    const int64_t in_row_bytes = row_bytes(input);
+    const int64_t out_row_bytes = row_bytes(output);
+    at::Tensor in = input.contiguous();
+    at::Tensor out = output.is_contiguous() ? output : at::empty_like(output, at::MemoryFormat::Contiguous);
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+    if (!out.is_same(output)) copy_back.emplace_back(output, out);
+    std::vector<AllToAllBlock> send(size_), recv(size_);
+    char* in_ptr = static_cast<char*>(in.data_ptr());
+    char* out_ptr = static_cast<char*>(out.data_ptr());
+    int64_t in_off = 0, out_off = 0;
+    for (int j = 0; j < size_; ++j) {
+      send[j] = {in_ptr + in_off, in_rows[j] * in_row_bytes};
+      recv[j] = {out_ptr + out_off, out_rows[j] * out_row_bytes};
+      in_off += send[j].nbytes;
+      out_off += recv[j].nbytes;
+    }
+    auto dl = deadline(opts.timeout);
+    const int dtype = int(input.scalar_type());
+    return launch_collective(
+        [&](uint64_t seq) {
+          return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, dtype, std::move(send),
+                                              std::move(recv), std::vector<at::Tensor>{in, out},
+                                              std::move(copy_back), std::vector<at::Tensor>{output});
+        },
+        c10d::OpType::ALLTOALL_BASE, "cam:all_to_all_single", {input});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all";
-  TORCH_CHECK(int(inputs.size()) == size_ && int(outputs.size()) == size_, "cam ", op, " on rank ",
-              rank_, ": expected ", size_, " input and ", size_, " output tensors, got ",
-              inputs.size(), " and ", outputs.size());
-  const auto dtype = inputs[0].scalar_type();
-  std::vector<AllToAllBlock> send(size_), recv(size_);
-  std::vector<at::Tensor> keep;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
-  for (int j = 0; j < size_; ++j) {
-    check_tensor(op, inputs[j], "input tensor");
-    check_tensor(op, outputs[j], "output tensor");
-    TORCH_CHECK(inputs[j].scalar_type() == dtype && outputs[j].scalar_type() == dtype, "cam ", op,
-                " on rank ", rank_, ": every tensor must be ", dtype, "; input ", j, " is ",
-                inputs[j].scalar_type(), " and output ", j, " is ", outputs[j].scalar_type());
-    at::Tensor in = inputs[j].contiguous();
-    at::Tensor out = outputs[j].is_contiguous() ? outputs[j]
-                                                : at::empty_like(outputs[j], at::MemoryFormat::Contiguous);
-    if (!out.is_same(outputs[j])) copy_back.emplace_back(outputs[j], out);
-    send[j] = {static_cast<char*>(in.data_ptr()), int64_t(in.nbytes())};
-    recv[j] = {static_cast<char*>(out.data_ptr()), int64_t(out.nbytes())};
-    keep.push_back(in);
-    keep.push_back(out);
+  return collective(op, CollKind::kAllToAll, [&] {
+    CAM_CHECK_ARG(int(inputs.size()) == size_ && int(outputs.size()) == size_, "expected ", size_, " input and ",
+                  size_, " output tensors, got ", inputs.size(), " and ", outputs.size());
+    check_tensor(inputs[0], "input tensor");
+    const auto dtype = inputs[0].scalar_type();
+    std::vector<AllToAllBlock> send(size_), recv(size_);
+    std::vector<at::Tensor> keep;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+    for (int j = 0; j < size_; ++j) {
+      check_tensor(inputs[j], "input tensor");
+      check_tensor(outputs[j], "output tensor");
+      check_writable(outputs[j], "output tensor");
+      CAM_CHECK_ARG(inputs[j].scalar_type() == dtype && outputs[j].scalar_type() == dtype, "every tensor must be ",
+                    dtype, "; input ", j, " is ", inputs[j].scalar_type(), " and output ", j, " is ",
+                    outputs[j].scalar_type());
+    }
+    for (int j = 0; j < size_; ++j) {
+      at::Tensor in = inputs[j].contiguous();
+      at::Tensor out = outputs[j].is_contiguous() ? outputs[j]
+                                                  : at::empty_like(outputs[j], at::MemoryFormat::Contiguous);
+      if (!out.is_same(outputs[j])) copy_back.emplace_back(outputs[j], out);
+      send[j] = {static_cast<char*>(in.data_ptr()), int64_t(in.nbytes())};
+      recv[j] = {static_cast<char*>(out.data_ptr()), int64_t(out.nbytes())};
+      keep.push_back(in);
+      keep.push_back(out);
+    }
+    auto dl = deadline(opts.timeout);
+    return launch_collective(
+        [&](uint64_t seq) {
+          return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, int(dtype), std::move(send),
+                                              std::move(recv), std::move(keep), std::move(copy_back), outputs);
+        },
+        c10d::OpType::ALLTOALL, "cam:all_to_all", inputs);
+  });
+}
+
+// p2p: a send or recv whose own checks refuse it still goes to its partner when the partner is
+// known (a rank of the group other than this one): a refused send carries the reason in place
+// of the payload and fails the recv it matches; a refused recv matches the next message as
+// usual and fails its send through the acknowledgement. Either way the call raises here.
+template <typename Build>
+c10::intrusive_ptr<c10d::Work> CamBackend::p2p(bool is_send, int peer, int tag, Build build) {
+  std::string reason;
+  try {
+    return build();
+  } catch (...) {
+    reason = argument_error_reason();
   }
-  auto dl = deadline(opts.timeout);
-  return launch_collective(
-      [&](uint64_t seq) {
-        return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, int(dtype), std::move(send), std::move(recv),
-                                            std::move(keep), std::move(copy_back), outputs);
-      },
-      c10d::OpType::ALLTOALL, "cam:all_to_all", inputs);
+  const std::string msg = str("cam ", is_send ? "send" : "recv", " on rank ", rank_, ": ", reason);
+  if (is_send) {
+    launch(std::make_shared<SendOp>(deadline(c10d::kUnsetTimeout), peer, tag, msg), c10d::OpType::SEND,
+           "cam:send", {});
+  } else {
+    launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), peer, tag, msg),
+           c10d::OpType::RECV, "cam:recv", {});
+  }
+  throw ValidationError(msg);
+}
+
+uint64_t CamBackend::next_recv_seq() {
+  std::lock_guard<std::mutex> lk(issue_mu_);
+  return ++recv_seq_;
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  const at::Tensor& t = single_tensor("send", tensors);
-  check_peer("send", dst, "destination");
-  TORCH_CHECK(dst != rank_, "cam send on rank ", rank_, ": a rank cannot send to itself");
-  auto op = std::make_shared<SendOp>(deadline(c10d::kUnsetTimeout), dst, tag, t);
-  return launch(std::move(op), c10d::OpType::SEND, "cam:send", tensors);
+  check_p2p_peer("send", dst, "destination");
+  return p2p(true, dst, tag, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    return launch(std::make_shared<SendOp>(deadline(c10d::kUnsetTimeout), dst, tag, t), c10d::OpType::SEND,
+                  "cam:send", tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  const at::Tensor& t = single_tensor("recv", tensors);
-  check_peer("recv", src, "source");
-  TORCH_CHECK(src != rank_, "cam recv on rank ", rank_, ": a rank cannot receive from itself");
-  uint64_t seq;
-  {
-    std::lock_guard<std::mutex> lk(issue_mu_);
-    seq = ++recv_seq_;
-  }
-  auto op = std::make_shared<RecvOp>(seq, deadline(c10d::kUnsetTimeout), src, tag, t);
-  return launch(std::move(op), c10d::OpType::RECV, "cam:recv", tensors);
+  check_p2p_peer("recv", src, "source");
+  return p2p(false, src, tag, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    check_writable(t, "tensor");
+    return launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), src, tag, t),
+                  c10d::OpType::RECV, "cam:recv", tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  const at::Tensor& t = single_tensor("recv", tensors);
-  uint64_t seq;
-  {
-    std::lock_guard<std::mutex> lk(issue_mu_);
-    seq = ++recv_seq_;
+  return p2p(false, -1, tag, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    check_writable(t, "tensor");
+    return launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), -1, tag, t),
+                  c10d::OpType::RECVANYSOURCE, "cam:recvAnySource", tensors);
+  });
+}
+
+void CamBackend::check_p2p_peer(const char* op, int peer, const char* role) const {
+  // Checked before anything else, and raised here only: the partner is unknown.
+  if (peer < 0 || peer >= size_) {
+    throw ValidationError(str("cam ", op, " on rank ", rank_, ": ", role, " rank ", peer,
+                              " is out of range for a group of ", size_, " ranks (expected 0..", size_ - 1, ")"));
   }
-  auto op = std::make_shared<RecvOp>(seq, deadline(c10d::kUnsetTimeout), -1, tag, t);
-  return launch(std::move(op), c10d::OpType::RECVANYSOURCE, "cam:recvAnySource", tensors);
+  if (peer == rank_) {
+    throw ValidationError(str("cam ", op, " on rank ", rank_, ": a rank cannot ",
+                              std::string(op) == "send" ? "send to" : "receive from", " itself"));
+  }
 }
 
 }  // namespace cam

@@ -1,6 +1,7 @@
-// CamBackend: the c10d::Backend registered as "cam". Each op validates its arguments on the
-// calling thread (so bad input raises before anything is queued), builds an algorithm op and
-// hands it to the Engine; the returned CamWork completes when the op does.
+// CamBackend: the c10d::Backend registered as "cam". Each op checks its arguments on the
+// calling thread, builds an algorithm op and hands it to the Engine; the returned CamWork
+// completes when the op does. A check that fails raises on the calling thread and still takes
+// part in the op as a refusal (collective(), p2p()), so the peers fail at once too.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -17,10 +18,15 @@
 
 namespace cam {
 
+// A tensor an op writes must not have elements that share memory (an expanded view): the
+// copy back into it would fail after the data moved.
+void check_writable(const at::Tensor& t, const char* what);
+
 class CamBackend : public c10d::Backend {
  public:
+  // group_id: the group's name (lookup); group_desc: how messages name it.
   CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, CamConfig cfg,
-             std::string group_id);
+             std::string group_id, const std::string& group_desc);
   ~CamBackend() override;
 
   const std::string getBackendName() const override { return "cam"; }
@@ -113,6 +119,10 @@ class CamBackend : public c10d::Backend {
   // The group's engine, for extensions that run their own ops on it (KV transfer).
   const std::shared_ptr<Engine>& engine() const { return engine_; }
 
+  // For front ends that check their own arguments (MoE in Python): this rank's next
+  // collective, of the named kind ("moe_dispatch", ...), is a refusal under `op`'s name.
+  [[noreturn]] void refuse(const std::string& kind, const std::string& op, const std::string& reason);
+
   // MoE expert-parallel dispatch / combine over this group (moe.cpp, csrc/moe/).
   c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> moe_combine(MoeCombineArgs args, std::chrono::milliseconds timeout);
@@ -122,19 +132,24 @@ class CamBackend : public c10d::Backend {
 
  private:
   Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
-  const at::Tensor& single_tensor(const char* op, std::vector<at::Tensor>& tensors) const;
-  void check_tensor(const char* op, const at::Tensor& t, const char* what = "tensor") const;
-  void check_peer(const char* op, int peer, const char* role) const;
-  void check_same_dtype(const char* op, const std::vector<at::Tensor>& ts, c10::ScalarType dtype,
-                        const char* what) const;
+  const at::Tensor& single_tensor(std::vector<at::Tensor>& tensors) const;
+  void check_tensor(const at::Tensor& t, const char* what = "tensor") const;
+  void check_peer(int peer, const char* role) const;
+  // p2p peers: out of range or this rank raises here only (no partner to tell).
+  void check_p2p_peer(const char* op, int peer, const char* role) const;
+  template <typename Build>
+  c10::intrusive_ptr<c10d::Work> p2p(bool is_send, int peer, int tag, Build build);
+  uint64_t next_recv_seq();
+  void check_same_dtype(const std::vector<at::Tensor>& ts, c10::ScalarType dtype, const char* what,
+                        bool written = false) const;
   // Coalesced (outputs[i], inputs[i]) pairs of one dtype; returns it.
-  c10::ScalarType check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
+  c10::ScalarType check_coalesced(const std::vector<at::Tensor>& outputs,
                                   const std::vector<at::Tensor>& inputs) const;
   // One list holding one tensor per rank (all_gather outputs, scatter inputs, ...).
-  void check_rank_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+  void check_rank_list(const std::vector<std::vector<at::Tensor>>& lists,
                        const char* what) const;
-  void check_numel(const char* op, const at::Tensor& t, int64_t expected, const std::string& what) const;
-  kernels::RedOp reduction(const char* op, const c10d::ReduceOp& r, c10::ScalarType dtype) const;
+  void check_numel(const at::Tensor& t, int64_t expected, const std::string& what) const;
+  kernels::RedOp reduction(const c10d::ReduceOp& r, c10::ScalarType dtype) const;
   RoundsMode allreduce_mode(int64_t nbytes) const;
   c10::intrusive_ptr<c10d::Work> launch_rounds(const char* op, CollKind kind, RoundsArgs args,
                                                std::chrono::milliseconds timeout,
@@ -142,6 +157,14 @@ class CamBackend : public c10d::Backend {
                                                std::vector<at::Tensor> inputs);
   c10::intrusive_ptr<c10d::Work> launch(std::shared_ptr<Op> op, c10d::OpType type,
                                         const char* title, std::vector<at::Tensor> inputs);
+  // Builds and issues one collective: `build` checks the arguments and calls launch_*. When
+  // this rank's own checks refuse them (an ArgumentError, or an ATen error while bringing them
+  // into shape), the rank still takes part: it issues a RefusedOp under the next sequence
+  // number, so every peer fails the op at once naming this rank and its reason, and the group
+  // stays usable; the call raises here at once.
+  template <typename Build>
+  c10::intrusive_ptr<c10d::Work> collective(const char* op, CollKind kind, Build build);
+  [[noreturn]] void refuse_collective(const char* op, CollKind kind, const std::string& reason);
   // Assigns the next collective sequence number and submits in that order.
   template <typename MakeOp>
   c10::intrusive_ptr<c10d::Work> launch_collective(MakeOp make, c10d::OpType type,
@@ -149,7 +172,7 @@ class CamBackend : public c10d::Backend {
 
   MoeStage& moe_stage();
   template <typename MoeOpT, typename Args>
-  c10::intrusive_ptr<c10d::Work> launch_moe(const char* op, Args a, std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> launch_moe(Args a, std::chrono::milliseconds timeout);
 
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)
@@ -178,6 +201,29 @@ inline c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make,
     if (coalescing_) coalesced_.push_back(work);
   }
   return work;
+}
+
+// Inside a catch block: the reason of the argument error being handled (an ArgumentError, or an
+// ATen error while arguments were brought into shape); anything else is rethrown.
+inline std::string argument_error_reason() {
+  try {
+    throw;
+  } catch (const ArgumentError& e) {
+    return e.what();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
+template <typename Build>
+inline c10::intrusive_ptr<c10d::Work> CamBackend::collective(const char* op, CollKind kind, Build build) {
+  std::string reason;
+  try {
+    return build();
+  } catch (...) {
+    reason = argument_error_reason();
+  }
+  refuse_collective(op, kind, reason);
 }
 
 }  // namespace cam

@@ -12,7 +12,7 @@ namespace cam {
 
 namespace {
 
-kernels::RedOp red_op_of(const char* op, int rank, const c10d::ReduceOp& r) {
+kernels::RedOp red_op_of(const c10d::ReduceOp& r) {
   using T = c10d::ReduceOp::RedOpType;
   switch (r.op_) {
     case T::SUM: return kernels::RedOp::kSum;
@@ -24,9 +24,8 @@ kernels::RedOp red_op_of(const char* op, int rank, const c10d::ReduceOp& r) {
     case T::BOR: return kernels::RedOp::kBor;
     case T::BXOR: return kernels::RedOp::kBxor;
     default:
-      TORCH_CHECK(false, "cam ", op, " on rank ", rank, ": reduce op ", int(r.op_),
-                  " (PREMUL_SUM) is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR "
-                  "or BXOR");
+      throw ArgumentError(str("reduce op ", int(r.op_),
+                              " (PREMUL_SUM) is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR"));
   }
 }
 
@@ -35,6 +34,7 @@ kernels::RedOp red_op_of(const char* op, int rank, const c10d::ReduceOp& r) {
 at::Tensor dense(const at::Tensor& user, bool load,
                  std::vector<std::pair<at::Tensor, at::Tensor>>& copy_back) {
   if (user.is_contiguous()) return user;
+  check_writable(user, "output tensor");
   at::Tensor t = load ? user.contiguous() : at::empty_like(user, at::MemoryFormat::Contiguous);
   copy_back.emplace_back(user, t);
   return t;
@@ -50,44 +50,43 @@ at::Tensor flatten(const std::vector<at::Tensor>& ts) {
 
 }  // namespace
 
-void CamBackend::check_same_dtype(const char* op, const std::vector<at::Tensor>& ts,
-                                  c10::ScalarType dtype, const char* what) const {
+void CamBackend::check_same_dtype(const std::vector<at::Tensor>& ts, c10::ScalarType dtype,
+                                  const char* what, bool written) const {
   for (size_t i = 0; i < ts.size(); ++i) {
-    check_tensor(op, ts[i], what);
-    TORCH_CHECK(ts[i].scalar_type() == dtype, "cam ", op, " on rank ", rank_, ": every ", what,
+    check_tensor(ts[i], what);
+    if (written) check_writable(ts[i], what);
+    CAM_CHECK_ARG(ts[i].scalar_type() == dtype, "every ", what,
                 " must be ", dtype, " but ", what, " ", i, " is ", ts[i].scalar_type());
   }
 }
 
-void CamBackend::check_numel(const char* op, const at::Tensor& t, int64_t expected,
+void CamBackend::check_numel(const at::Tensor& t, int64_t expected,
                              const std::string& what) const {
-  TORCH_CHECK(t.numel() == expected, "cam ", op, " on rank ", rank_, ": ", what, " has ",
+  CAM_CHECK_ARG(t.numel() == expected, what, " has ",
               t.numel(), " elements, expected ", expected);
 }
 
-c10::ScalarType CamBackend::check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
+c10::ScalarType CamBackend::check_coalesced(const std::vector<at::Tensor>& outputs,
                                             const std::vector<at::Tensor>& inputs) const {
-  TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(), "cam ", op, " on rank ", rank_,
-              ": expected as many outputs as inputs (at least one), got ", outputs.size(), " and ",
+  CAM_CHECK_ARG(!inputs.empty() && inputs.size() == outputs.size(), "expected as many outputs as inputs (at least one), got ", outputs.size(), " and ",
               inputs.size());
   const auto dtype = inputs[0].scalar_type();
-  check_same_dtype(op, inputs, dtype, "input tensor");
-  check_same_dtype(op, outputs, dtype, "output tensor");
+  check_same_dtype(inputs, dtype, "input tensor");
+  check_same_dtype(outputs, dtype, "output tensor", true);
   return dtype;
 }
 
-void CamBackend::check_rank_list(const char* op, const std::vector<std::vector<at::Tensor>>& lists,
+void CamBackend::check_rank_list(const std::vector<std::vector<at::Tensor>>& lists,
                                  const char* what) const {
-  TORCH_CHECK(lists.size() == 1 && int(lists[0].size()) == size_, "cam ", op, " on rank ", rank_,
-              ": expected one list of ", size_, " ", what, " tensors (one per rank), got ",
+  CAM_CHECK_ARG(lists.size() == 1 && int(lists[0].size()) == size_, "expected one list of ", size_, " ", what, " tensors (one per rank), got ",
               lists.size(), " list(s)", lists.empty() ? std::string() : str(" of ", lists[0].size()));
 }
 
-kernels::RedOp CamBackend::reduction(const char* op, const c10d::ReduceOp& r,
+kernels::RedOp CamBackend::reduction(const c10d::ReduceOp& r,
                                      c10::ScalarType dtype) const {
-  kernels::RedOp red = red_op_of(op, rank_, r);
+  kernels::RedOp red = red_op_of(r);
   const char* why = kernels::reduce_unsupported(dtype, red);
-  TORCH_CHECK(*why == 0, "cam ", op, " on rank ", rank_, ": cannot reduce ", dtype,
+  CAM_CHECK_ARG(*why == 0, "cannot reduce ", dtype,
               " tensors with ", kernels::red_op_name(red), ": ", why);
   return red;
 }
@@ -119,322 +118,340 @@ c10::intrusive_ptr<c10d::Work> CamBackend::launch_rounds(const char* op, CollKin
 c10::intrusive_ptr<c10d::Work> CamBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
-  const at::Tensor& t = single_tensor(op, tensors);
-  RoundsArgs a;
-  a.red_op = reduction(op, opts.reduceOp, t.scalar_type());
-  a.input = dense(t, true, a.copy_back);
-  a.output = a.input;
-  a.mode = allreduce_mode(int64_t(t.nbytes()));
-  a.outputs = {t};
-  return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
-                       c10d::OpType::ALLREDUCE, "cam:all_reduce", tensors);
+  return collective(op, CollKind::kAllReduce, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    RoundsArgs a;
+    a.red_op = reduction(opts.reduceOp, t.scalar_type());
+    a.input = dense(t, true, a.copy_back);
+    a.output = a.input;
+    a.mode = allreduce_mode(int64_t(t.nbytes()));
+    a.outputs = {t};
+    return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
+                         c10d::OpType::ALLREDUCE, "cam:all_reduce", tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "all_reduce_coalesced";
-  TORCH_CHECK(!tensors.empty(), "cam ", op, " on rank ", rank_, ": expected at least one tensor");
-  check_same_dtype(op, tensors, tensors[0].scalar_type(), "tensor");
-  RoundsArgs a;
-  a.red_op = reduction(op, opts.reduceOp, tensors[0].scalar_type());
-  a.input = flatten(tensors);
-  a.output = a.input;
-  int64_t off = 0;
-  for (const auto& t : tensors) {
-    a.copy_back.emplace_back(t, a.input.narrow(0, off, t.numel()).view(t.sizes()));
-    off += t.numel();
-  }
-  a.mode = allreduce_mode(int64_t(a.input.nbytes()));
-  a.outputs = tensors;
-  return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
-                       c10d::OpType::ALLREDUCE_COALESCED, "cam:all_reduce_coalesced", tensors);
+  return collective(op, CollKind::kAllReduce, [&] {
+    CAM_CHECK_ARG(!tensors.empty(), "expected at least one tensor");
+    check_same_dtype(tensors, tensors[0].scalar_type(), "tensor", true);
+    RoundsArgs a;
+    a.red_op = reduction(opts.reduceOp, tensors[0].scalar_type());
+    a.input = flatten(tensors);
+    a.output = a.input;
+    int64_t off = 0;
+    for (const auto& t : tensors) {
+      a.copy_back.emplace_back(t, a.input.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+    a.mode = allreduce_mode(int64_t(a.input.nbytes()));
+    a.outputs = tensors;
+    return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
+                         c10d::OpType::ALLREDUCE_COALESCED, "cam:all_reduce_coalesced", tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::reduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::ReduceOptions& opts) {
   const char* op = "reduce";
-  const at::Tensor& t = single_tensor(op, tensors);
-  check_peer(op, int(opts.rootRank), "root");
-  TORCH_CHECK(opts.rootTensor == 0, "cam ", op, " on rank ", rank_,
-              ": expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
-  RoundsArgs a;
-  a.mode = RoundsMode::kReduce;
-  a.root = int(opts.rootRank);
-  a.red_op = reduction(op, opts.reduceOp, t.scalar_type());
-  if (a.root == rank_) {
-    a.input = dense(t, true, a.copy_back);
-    a.output = a.input;
-  } else {
-    a.input = t.contiguous();
-  }
-  a.outputs = {t};
-  return launch_rounds(op, CollKind::kReduce, std::move(a), opts.timeout, c10d::OpType::REDUCE,
-                       "cam:reduce", tensors);
+  return collective(op, CollKind::kReduce, [&] {
+    const at::Tensor& t = single_tensor(tensors);
+    check_peer(int(opts.rootRank), "root");
+    CAM_CHECK_ARG(opts.rootTensor == 0, "expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
+    RoundsArgs a;
+    a.mode = RoundsMode::kReduce;
+    a.root = int(opts.rootRank);
+    a.red_op = reduction(opts.reduceOp, t.scalar_type());
+    if (a.root == rank_) {
+      a.input = dense(t, true, a.copy_back);
+      a.output = a.input;
+    } else {
+      a.input = t.contiguous();
+    }
+    a.outputs = {t};
+    return launch_rounds(op, CollKind::kReduce, std::move(a), opts.timeout, c10d::OpType::REDUCE,
+                         "cam:reduce", tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather";
-  const at::Tensor& in = single_tensor(op, inputs);
-  check_rank_list(op, outputs, "output");
-  check_same_dtype(op, outputs[0], in.scalar_type(), "output tensor");
-  check_numel(op, outputs[0][rank_], in.numel(), str("output tensor ", rank_, " (this rank's)"));
-  bool even = true;
-  for (int r = 0; r < size_; ++r) even &= outputs[0][r].numel() == in.numel();
-  if (!even) {
-    // Ranks contribute different sizes (as Megatron's expert-tensor-parallel dispatcher does):
-    // every rank sends its input to every peer over the all-to-all channels, whose split
-    // check verifies each output size against the sender's input.
-    std::vector<AllToAllBlock> send(size_), recv(size_);
-    std::vector<at::Tensor> keep;
-    std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
-    at::Tensor c = in.contiguous();
-    keep.push_back(c);
-    for (int r = 0; r < size_; ++r) {
-      send[r] = {static_cast<char*>(c.data_ptr()), int64_t(c.nbytes())};
-      at::Tensor o = dense(outputs[0][r], false, copy_back);
-      recv[r] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
-      keep.push_back(o);
+  return collective(op, CollKind::kAllGather, [&] {
+    const at::Tensor& in = single_tensor(inputs);
+    check_rank_list(outputs, "output");
+    check_same_dtype(outputs[0], in.scalar_type(), "output tensor", true);
+    check_numel(outputs[0][rank_], in.numel(), str("output tensor ", rank_, " (this rank's)"));
+    bool even = true;
+    for (int r = 0; r < size_; ++r) even &= outputs[0][r].numel() == in.numel();
+    if (!even) {
+      // Ranks contribute different sizes (as Megatron's expert-tensor-parallel dispatcher does):
+      // every rank sends its input to every peer over the all-to-all channels, whose split
+      // check verifies each output size against the sender's input.
+      std::vector<AllToAllBlock> send(size_), recv(size_);
+      std::vector<at::Tensor> keep;
+      std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+      at::Tensor c = in.contiguous();
+      keep.push_back(c);
+      for (int r = 0; r < size_; ++r) {
+        send[r] = {static_cast<char*>(c.data_ptr()), int64_t(c.nbytes())};
+        at::Tensor o = dense(outputs[0][r], false, copy_back);
+        recv[r] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
+        keep.push_back(o);
+      }
+      auto dl = deadline(opts.timeout);
+      return launch_collective(
+          [&](uint64_t seq) {
+            return std::make_shared<AllToAllOp>(op, CollKind::kAllGather, seq, dl, int(in.scalar_type()),
+                                                std::move(send), std::move(recv), std::move(keep),
+                                                std::move(copy_back), outputs[0]);
+          },
+          c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
     }
-    auto dl = deadline(opts.timeout);
-    return launch_collective(
-        [&](uint64_t seq) {
-          return std::make_shared<AllToAllOp>(op, CollKind::kAllGather, seq, dl, int(in.scalar_type()),
-                                              std::move(send), std::move(recv), std::move(keep),
-                                              std::move(copy_back), outputs[0]);
-        },
-        c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
-  }
-  RoundsArgs a;
-  a.mode = RoundsMode::kAllGather;
-  a.input = in.contiguous();
-  a.output = at::empty({int64_t(size_) * in.numel()}, in.options().memory_format(at::MemoryFormat::Contiguous));
-  for (int r = 0; r < size_; ++r) {
-    a.copy_back.emplace_back(outputs[0][r], a.output.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
-  }
-  a.outputs = outputs[0];
-  return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
-                       c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
+    RoundsArgs a;
+    a.mode = RoundsMode::kAllGather;
+    a.input = in.contiguous();
+    a.output = at::empty({int64_t(size_) * in.numel()}, in.options().memory_format(at::MemoryFormat::Contiguous));
+    for (int r = 0; r < size_; ++r) {
+      a.copy_back.emplace_back(outputs[0][r], a.output.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+    }
+    a.outputs = outputs[0];
+    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+                         c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
-  check_tensor(op, input, "input tensor");
-  check_tensor(op, output, "output tensor");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "cam ", op, " on rank ", rank_,
-              ": input is ", input.scalar_type(), " but output is ", output.scalar_type());
-  check_numel(op, output, int64_t(size_) * input.numel(),
-              str("the output tensor (", size_, " x the input's ", input.numel(), ")"));
-  RoundsArgs a;
-  a.mode = RoundsMode::kAllGather;
-  a.input = input.contiguous();
-  a.output = dense(output, false, a.copy_back);
-  a.outputs = {output};
-  return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
-                       c10d::OpType::_ALLGATHER_BASE, "cam:all_gather_into_tensor", {input});
+  return collective(op, CollKind::kAllGather, [&] {
+    check_tensor(input, "input tensor");
+    check_tensor(output, "output tensor");
+    CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
+    check_numel(output, int64_t(size_) * input.numel(),
+                str("the output tensor (", size_, " x the input's ", input.numel(), ")"));
+    RoundsArgs a;
+    a.mode = RoundsMode::kAllGather;
+    a.input = input.contiguous();
+    a.output = dense(output, false, a.copy_back);
+    a.outputs = {output};
+    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+                         c10d::OpType::_ALLGATHER_BASE, "cam:all_gather_into_tensor", {input});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_coalesced";
-  TORCH_CHECK(!inputs.empty(), "cam ", op, " on rank ", rank_, ": expected at least one input");
-  const auto dtype = inputs[0].scalar_type();
-  check_same_dtype(op, inputs, dtype, "input tensor");
-  TORCH_CHECK(int(output_lists.size()) == size_, "cam ", op, " on rank ", rank_, ": expected ",
-              size_, " output lists (one per rank), got ", output_lists.size());
-  for (int r = 0; r < size_; ++r) {
-    TORCH_CHECK(output_lists[r].size() == inputs.size(), "cam ", op, " on rank ", rank_,
-                ": output list ", r, " holds ", output_lists[r].size(), " tensors, expected ",
-                inputs.size(), " (one per input)");
-    check_same_dtype(op, output_lists[r], dtype, "output tensor");
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      check_numel(op, output_lists[r][i], inputs[i].numel(), str("output ", i, " of rank ", r));
+  return collective(op, CollKind::kAllGather, [&] {
+    CAM_CHECK_ARG(!inputs.empty(), "expected at least one input");
+    const auto dtype = inputs[0].scalar_type();
+    check_same_dtype(inputs, dtype, "input tensor");
+    CAM_CHECK_ARG(int(output_lists.size()) == size_, "expected ",
+                size_, " output lists (one per rank), got ", output_lists.size());
+    for (int r = 0; r < size_; ++r) {
+      CAM_CHECK_ARG(output_lists[r].size() == inputs.size(), "output list ", r, " holds ", output_lists[r].size(), " tensors, expected ",
+                  inputs.size(), " (one per input)");
+      check_same_dtype(output_lists[r], dtype, "output tensor", true);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        check_numel(output_lists[r][i], inputs[i].numel(), str("output ", i, " of rank ", r));
+      }
     }
-  }
-  RoundsArgs a;
-  a.mode = RoundsMode::kAllGather;
-  a.input = flatten(inputs);
-  const int64_t total = a.input.numel();
-  a.output = at::empty({int64_t(size_) * total}, a.input.options());
-  for (int r = 0; r < size_; ++r) {
-    int64_t off = r * total;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      auto& dst = output_lists[r][i];
-      a.copy_back.emplace_back(dst, a.output.narrow(0, off, dst.numel()).view(dst.sizes()));
-      off += dst.numel();
+    RoundsArgs a;
+    a.mode = RoundsMode::kAllGather;
+    a.input = flatten(inputs);
+    const int64_t total = a.input.numel();
+    a.output = at::empty({int64_t(size_) * total}, a.input.options());
+    for (int r = 0; r < size_; ++r) {
+      int64_t off = r * total;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        auto& dst = output_lists[r][i];
+        a.copy_back.emplace_back(dst, a.output.narrow(0, off, dst.numel()).view(dst.sizes()));
+        off += dst.numel();
+      }
     }
-  }
-  for (auto& l : output_lists) a.outputs.insert(a.outputs.end(), l.begin(), l.end());
-  return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
-                       c10d::OpType::ALLGATHER_COALESCED, "cam:all_gather_coalesced", inputs);
+    for (auto& l : output_lists) a.outputs.insert(a.outputs.end(), l.begin(), l.end());
+    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+                         c10d::OpType::ALLGATHER_COALESCED, "cam:all_gather_coalesced", inputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor_coalesced";
-  const auto dtype = check_coalesced(op, outputs, inputs);
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check_numel(op, outputs[i], int64_t(size_) * inputs[i].numel(), str("output ", i));
-    TORCH_CHECK(outputs[i].is_contiguous(), "cam ", op, " on rank ", rank_, ": output ", i,
-                " must be contiguous");
-  }
-  RoundsArgs a;
-  a.mode = RoundsMode::kAllGather;
-  a.input = flatten(inputs);
-  const int64_t total = a.input.numel();
-  a.output = at::empty({int64_t(size_), total}, a.input.options());
-  int64_t off = 0;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const int64_t n = inputs[i].numel();
-    // Output i is rank-major: [rank 0's input i, rank 1's input i, ...].
-    a.copy_back.emplace_back(outputs[i].view({int64_t(size_), n}), a.output.narrow(1, off, n));
-    off += n;
-  }
-  a.output = a.output.view(-1);
-  a.outputs = outputs;
-  return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
-                       c10d::OpType::COALESCED, "cam:all_gather_into_tensor_coalesced", inputs);
+  return collective(op, CollKind::kAllGather, [&] {
+    check_coalesced(outputs, inputs);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_numel(outputs[i], int64_t(size_) * inputs[i].numel(), str("output ", i));
+      CAM_CHECK_ARG(outputs[i].is_contiguous(), "output ", i,
+                  " must be contiguous");
+    }
+    RoundsArgs a;
+    a.mode = RoundsMode::kAllGather;
+    a.input = flatten(inputs);
+    const int64_t total = a.input.numel();
+    a.output = at::empty({int64_t(size_), total}, a.input.options());
+    int64_t off = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t n = inputs[i].numel();
+      // Output i is rank-major: [rank 0's input i, rank 1's input i, ...].
+      a.copy_back.emplace_back(outputs[i].view({int64_t(size_), n}), a.output.narrow(1, off, n));
+      off += n;
+    }
+    a.output = a.output.view(-1);
+    a.outputs = outputs;
+    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+                         c10d::OpType::COALESCED, "cam:all_gather_into_tensor_coalesced", inputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs,
                                                   const c10d::GatherOptions& opts) {
   const char* op = "gather";
-  const at::Tensor& in = single_tensor(op, inputs);
-  check_peer(op, int(opts.rootRank), "root");
-  const int root = int(opts.rootRank);
-  RoundsArgs a;
-  a.mode = RoundsMode::kGather;
-  a.root = root;
-  a.input = in.contiguous();
-  if (rank_ == root) {
-    check_rank_list(op, outputs, "output");
-    check_same_dtype(op, outputs[0], in.scalar_type(), "output tensor");
-    a.output = at::empty({int64_t(size_) * in.numel()}, a.input.options());
-    for (int r = 0; r < size_; ++r) {
-      check_numel(op, outputs[0][r], in.numel(), str("output tensor ", r));
-      a.copy_back.emplace_back(outputs[0][r], a.output.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+  return collective(op, CollKind::kGather, [&] {
+    const at::Tensor& in = single_tensor(inputs);
+    check_peer(int(opts.rootRank), "root");
+    const int root = int(opts.rootRank);
+    RoundsArgs a;
+    a.mode = RoundsMode::kGather;
+    a.root = root;
+    a.input = in.contiguous();
+    if (rank_ == root) {
+      check_rank_list(outputs, "output");
+      check_same_dtype(outputs[0], in.scalar_type(), "output tensor", true);
+      a.output = at::empty({int64_t(size_) * in.numel()}, a.input.options());
+      for (int r = 0; r < size_; ++r) {
+        check_numel(outputs[0][r], in.numel(), str("output tensor ", r));
+        a.copy_back.emplace_back(outputs[0][r], a.output.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
+      }
+      a.outputs = outputs[0];
+    } else {
+      CAM_CHECK_ARG(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "only the root rank ", root, " passes output tensors");
     }
-    a.outputs = outputs[0];
-  } else {
-    TORCH_CHECK(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "cam ", op,
-                " on rank ", rank_, ": only the root rank ", root, " passes output tensors");
-  }
-  return launch_rounds(op, CollKind::kGather, std::move(a), opts.timeout, c10d::OpType::GATHER,
-                       "cam:gather", inputs);
+    return launch_rounds(op, CollKind::kGather, std::move(a), opts.timeout, c10d::OpType::GATHER,
+                         "cam:gather", inputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
   const char* op = "scatter";
-  const at::Tensor& out = single_tensor(op, outputs);
-  check_peer(op, int(opts.rootRank), "root");
-  const int root = int(opts.rootRank);
-  std::vector<AllToAllBlock> send(size_), recv(size_);
-  std::vector<at::Tensor> keep;
-  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
-  if (rank_ == root) {
-    check_rank_list(op, inputs, "input");
-    check_same_dtype(op, inputs[0], out.scalar_type(), "input tensor");
-    for (int r = 0; r < size_; ++r) {
-      check_numel(op, inputs[0][r], out.numel(), str("input tensor ", r));
-      at::Tensor c = inputs[0][r].contiguous();
-      send[r] = {static_cast<char*>(c.data_ptr()), int64_t(c.nbytes())};
-      keep.push_back(c);
+  return collective(op, CollKind::kScatter, [&] {
+    const at::Tensor& out = single_tensor(outputs);
+    check_peer(int(opts.rootRank), "root");
+    const int root = int(opts.rootRank);
+    std::vector<AllToAllBlock> send(size_), recv(size_);
+    std::vector<at::Tensor> keep;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+    if (rank_ == root) {
+      check_rank_list(inputs, "input");
+      check_same_dtype(inputs[0], out.scalar_type(), "input tensor");
+      for (int r = 0; r < size_; ++r) {
+        check_numel(inputs[0][r], out.numel(), str("input tensor ", r));
+        at::Tensor c = inputs[0][r].contiguous();
+        send[r] = {static_cast<char*>(c.data_ptr()), int64_t(c.nbytes())};
+        keep.push_back(c);
+      }
+    } else {
+      CAM_CHECK_ARG(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "only the root rank ", root, " passes input tensors");
     }
-  } else {
-    TORCH_CHECK(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "cam ", op,
-                " on rank ", rank_, ": only the root rank ", root, " passes input tensors");
-  }
-  at::Tensor o = dense(out, false, copy_back);
-  recv[root] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
-  keep.push_back(o);
-  auto dl = deadline(opts.timeout);
-  const int dtype = int(out.scalar_type());
-  return launch_collective(
-      [&](uint64_t seq) {
-        return std::make_shared<AllToAllOp>(op, CollKind::kScatter, seq, dl, dtype, std::move(send),
-                                            std::move(recv), std::move(keep), std::move(copy_back),
-                                            outputs);
-      },
-      c10d::OpType::SCATTER, "cam:scatter", outputs);
+    at::Tensor o = dense(out, false, copy_back);
+    recv[root] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
+    keep.push_back(o);
+    auto dl = deadline(opts.timeout);
+    const int dtype = int(out.scalar_type());
+    return launch_collective(
+        [&](uint64_t seq) {
+          return std::make_shared<AllToAllOp>(op, CollKind::kScatter, seq, dl, dtype, std::move(send),
+                                              std::move(recv), std::move(keep), std::move(copy_back),
+                                              outputs);
+        },
+        c10d::OpType::SCATTER, "cam:scatter", outputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter";
-  const at::Tensor& out = single_tensor(op, outputs);
-  check_rank_list(op, inputs, "input");
-  check_same_dtype(op, inputs[0], out.scalar_type(), "input tensor");
-  check_numel(op, inputs[0][rank_], out.numel(), str("input tensor ", rank_, " (this rank's block)"));
-  RoundsArgs a;
-  // Blocks may differ in size per destination (uneven lists); all ranks must agree on them.
-  for (int r = 0; r < size_; ++r) a.blocks.push_back(int64_t(inputs[0][r].nbytes()));
-  a.mode = RoundsMode::kReduceScatter;
-  a.red_op = reduction(op, opts.reduceOp, out.scalar_type());
-  a.input = flatten(inputs[0]);
-  a.output = dense(out, false, a.copy_back);
-  a.outputs = outputs;
-  return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
-                       c10d::OpType::REDUCE_SCATTER, "cam:reduce_scatter", inputs[0]);
+  return collective(op, CollKind::kReduceScatter, [&] {
+    const at::Tensor& out = single_tensor(outputs);
+    check_rank_list(inputs, "input");
+    check_same_dtype(inputs[0], out.scalar_type(), "input tensor");
+    check_numel(inputs[0][rank_], out.numel(), str("input tensor ", rank_, " (this rank's block)"));
+    RoundsArgs a;
+    // Blocks may differ in size per destination (uneven lists); all ranks must agree on them.
+    for (int r = 0; r < size_; ++r) a.blocks.push_back(int64_t(inputs[0][r].nbytes()));
+    a.mode = RoundsMode::kReduceScatter;
+    a.red_op = reduction(opts.reduceOp, out.scalar_type());
+    a.input = flatten(inputs[0]);
+    a.output = dense(out, false, a.copy_back);
+    a.outputs = outputs;
+    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+                         c10d::OpType::REDUCE_SCATTER, "cam:reduce_scatter", inputs[0]);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor";
-  check_tensor(op, input, "input tensor");
-  check_tensor(op, output, "output tensor");
-  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "cam ", op, " on rank ", rank_,
-              ": input is ", input.scalar_type(), " but output is ", output.scalar_type());
-  check_numel(op, input, int64_t(size_) * output.numel(),
-              str("the input tensor (", size_, " x the output's ", output.numel(), ")"));
-  RoundsArgs a;
-  a.mode = RoundsMode::kReduceScatter;
-  a.red_op = reduction(op, opts.reduceOp, input.scalar_type());
-  a.input = input.contiguous();
-  a.output = dense(output, false, a.copy_back);
-  a.outputs = {output};
-  return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
-                       c10d::OpType::_REDUCE_SCATTER_BASE, "cam:reduce_scatter_tensor", {input});
+  return collective(op, CollKind::kReduceScatter, [&] {
+    check_tensor(input, "input tensor");
+    check_tensor(output, "output tensor");
+    CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
+    check_numel(input, int64_t(size_) * output.numel(),
+                str("the input tensor (", size_, " x the output's ", output.numel(), ")"));
+    RoundsArgs a;
+    a.mode = RoundsMode::kReduceScatter;
+    a.red_op = reduction(opts.reduceOp, input.scalar_type());
+    a.input = input.contiguous();
+    a.output = dense(output, false, a.copy_back);
+    a.outputs = {output};
+    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+                         c10d::OpType::_REDUCE_SCATTER_BASE, "cam:reduce_scatter_tensor", {input});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor_coalesced";
-  const auto dtype = check_coalesced(op, outputs, inputs);
-  std::vector<at::Tensor> rows;  // input i as [N, n_i]: block r goes to rank r
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check_numel(op, inputs[i], int64_t(size_) * outputs[i].numel(), str("input ", i));
-    rows.push_back(inputs[i].reshape({int64_t(size_), outputs[i].numel()}));
-  }
-  RoundsArgs a;
-  a.mode = RoundsMode::kReduceScatter;
-  a.red_op = reduction(op, opts.reduceOp, dtype);
-  a.input = at::cat(rows, 1).view(-1);  // rank-major: rank r's block holds every output's piece
-  const int64_t total = a.input.numel() / size_;
-  a.output = at::empty({total}, a.input.options());
-  int64_t off = 0;
-  for (auto& o : outputs) {
-    a.copy_back.emplace_back(o, a.output.narrow(0, off, o.numel()).view(o.sizes()));
-    off += o.numel();
-  }
-  a.outputs = outputs;
-  return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
-                       c10d::OpType::COALESCED, "cam:reduce_scatter_tensor_coalesced", inputs);
+  return collective(op, CollKind::kReduceScatter, [&] {
+    const auto dtype = check_coalesced(outputs, inputs);
+    std::vector<at::Tensor> rows;  // input i as [N, n_i]: block r goes to rank r
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_numel(inputs[i], int64_t(size_) * outputs[i].numel(), str("input ", i));
+      rows.push_back(inputs[i].reshape({int64_t(size_), outputs[i].numel()}));
+    }
+    RoundsArgs a;
+    a.mode = RoundsMode::kReduceScatter;
+    a.red_op = reduction(opts.reduceOp, dtype);
+    a.input = at::cat(rows, 1).view(-1);  // rank-major: rank r's block holds every output's piece
+    const int64_t total = a.input.numel() / size_;
+    a.output = at::empty({total}, a.input.options());
+    int64_t off = 0;
+    for (auto& o : outputs) {
+      a.copy_back.emplace_back(o, a.output.narrow(0, off, o.numel()).view(o.sizes()));
+      off += o.numel();
+    }
+    a.outputs = outputs;
+    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+                         c10d::OpType::COALESCED, "cam:reduce_scatter_tensor_coalesced", inputs);
+  });
 }
 
 void CamBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   // A zero timeout means "now" here (gloo's semantics), not "the group's default".
   auto dl = opts.timeout.count() == 0 ? Clock::now() : deadline(opts.timeout);
   auto work = launch_collective(
-      [&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl, /*name_all_missing=*/true); },
+      [&](uint64_t seq) { return std::make_shared<MonitoredBarrierOp>(seq, dl, wait_all_ranks); },
       c10d::OpType::BARRIER, "cam:monitored_barrier", {});
   work->wait();
 }

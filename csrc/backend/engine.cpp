@@ -164,24 +164,24 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
   }
   if (now < next_liveness_check_) return;
   next_liveness_check_ = now + std::chrono::milliseconds(cfg_.liveness_interval_ms);
+  // What this rank was doing, for the message: a peer's failure is often the cause of its wait.
+  auto waiting = [&] {
+    for (auto& op : pending_) {
+      if (!op->done()) return str(" while ", op->where(ctx_.rank), " was waiting for ", op->waiting_for());
+    }
+    return std::string();
+  };
   for (int r = 0; r < ctx_.world; ++r) {
     if (r == ctx_.rank) continue;
     const ErrorReport* rep = ctx_.L.error(ctx_.peer(r));
     if (signal_acquire(rep->seq) != 0) {
       std::string text(rep->text, strnlen(rep->text, kErrorTextBytes));
-      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " failed: ", text), finished);
+      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " failed: ", text, waiting()), finished);
       return;
     }
     std::string dead = heap_->peer_failure(r);
     if (!dead.empty()) {
-      std::string what;
-      for (auto& op : pending_) {
-        if (!op->done()) {
-          what = str(" while ", op->where(ctx_.rank), " was waiting for ", op->waiting_for());
-          break;
-        }
-      }
-      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " died (", dead, ")", what), finished);
+      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " died (", dead, ")", waiting()), finished);
       return;
     }
   }

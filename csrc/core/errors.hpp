@@ -17,6 +17,14 @@ class ValidationError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A bad argument found by a rank's own checks while it builds an op, before anything is issued.
+// Its text is the reason alone; the backend prefixes the op and turns it into a refusal that
+// every rank of the op sees (RefusedOp), so the rank still takes part and the group stays usable.
+class ArgumentError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Anything else (timeout, dead peer, peer failure) leaves the group unusable.
 class FatalError : public std::runtime_error {
  public:
@@ -29,6 +37,12 @@ std::string str(const Args&... args) {
   (os << ... << args);
   return os.str();
 }
+
+// Throws ArgumentError(str(args...)) unless cond holds; the message is built only on failure.
+#define CAM_CHECK_ARG(cond, ...)                                 \
+  do {                                                           \
+    if (!(cond)) throw ::cam::ArgumentError(::cam::str(__VA_ARGS__)); \
+  } while (0)
 
 std::string describe_bytes(int64_t nbytes, int dtype);  // "4096 bytes of float32"
 std::string dtype_name(int dtype);

@@ -8,22 +8,6 @@ namespace cam {
 
 // ---- MoeOp ----------------------------------------------------------------------------------
 
-bool MoeOp::publish_error(const std::string& error, char* text) {
-  std::memset(text, 0, kMoeErrorBytes);
-  if (error.empty()) return false;
-  std::memcpy(text, error.data(), std::min(error.size(), kMoeErrorBytes - 1));
-  return true;
-}
-
-void MoeOp::check_errors(Context& ctx, const std::vector<const char*>& texts) {
-  for (int r = 0; r < ctx.world; ++r) {
-    if (texts[r][0] != 0) {
-      refuse(ctx, r == ctx.rank ? std::string(texts[r])
-                                : str("rank ", r, " refused its input: ", texts[r]));
-    }
-  }
-}
-
 void MoeOp::add_wait_times(const at::Tensor& wait_us) const {
   if (!wait_us.defined() || arrival_us_.empty()) return;
   int64_t* w = wait_us.data_ptr<int64_t>();
@@ -58,7 +42,6 @@ bool MoeOp::release_and_wait(Context& ctx) {
 // What a rank stages for dispatch, at the start of its stage half. Offsets are into the
 // owner's tensor arena (rows may be the caller's own heap tensor).
 struct alignas(64) MoeDispatchHeader {
-  char error[kMoeErrorBytes];
   int64_t tokens, topk, num_experts, width_bytes, aux_bytes, max_tokens, capacity, slab_rows;
   int32_t shared_ranks, experts_per_rank, quant, has_weights, row_dtype, hidden;
   int64_t rows_off, weights_off, csr_off, entries_off, aux_off, active_off;
@@ -89,14 +72,13 @@ MoeDispatchOp::MoeDispatchOp(uint64_t seq, Clock::time_point deadline, MoeStage*
 }
 
 void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
-  const bool ok = a_.error.empty();
-  const int64_t T = ok ? a_.rows.size(0) : 0, K = ok ? a_.ids.size(1) : 0, M = a_.num_experts;
-  const int64_t width = ok ? a_.rows.size(1) * int64_t(a_.rows.element_size()) : 0;
-  const int64_t aux = ok && a_.aux.defined() ? a_.aux.size(1) : 0;
-  const bool prequant = ok && a_.quant && !a_.smooth.defined();
-  const int64_t H = ok ? a_.rows.size(1) : 0;
+  const int64_t T = a_.rows.size(0), K = a_.ids.size(1), M = a_.num_experts;
+  const int64_t width = a_.rows.size(1) * int64_t(a_.rows.element_size());
+  const int64_t aux = a_.aux.defined() ? a_.aux.size(1) : 0;
+  const bool prequant = a_.quant && !a_.smooth.defined();
+  const int64_t H = a_.rows.size(1);
   const int64_t rows_heap =
-      ok && T > 0 && !prequant ? ctx.heap_offset(a_.rows.data_ptr(), int64_t(a_.rows.nbytes())) : -1;
+      T > 0 && !prequant ? ctx.heap_offset(a_.rows.data_ptr(), int64_t(a_.rows.nbytes())) : -1;
   in_place_ = rows_heap >= 0;
   // Stage layout: header | weights | csr | entries | aux | active | scales | rows (unless in place)
   int64_t off = stage_align(sizeof(MoeDispatchHeader));
@@ -105,7 +87,7 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
     off += stage_align(bytes);
     return at;
   };
-  const int64_t w_at = place(ok && a_.weights.defined() ? T * K * 4 : 0);
+  const int64_t w_at = place(a_.weights.defined() ? T * K * 4 : 0);
   const int64_t csr_at = place((M + 1) * 4);
   const int64_t ent_at = place(T * K * 4);
   const int64_t aux_at = place(T * aux);
@@ -115,7 +97,6 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
   auto* h = stage_header<MoeDispatchHeader>(d, off);
   char* s = reinterpret_cast<char*>(h);
   const int64_t base = d->heap_off;
-  if (publish_error(a_.error, h->error)) return;
   h->tokens = T;
   h->topk = K;
   h->num_experts = M;
@@ -198,12 +179,9 @@ void MoeDispatchOp::fill_desc(Context& ctx, CollDesc* d) {
 void MoeDispatchOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
   const int W = ctx.world;
   peers_.assign(W, nullptr);
-  std::vector<const char*> errors(W);
   for (int r = 0; r < W; ++r) {
     peers_[r] = reinterpret_cast<const MoeDispatchHeader*>(ctx.peer_heap(r, descs[r]->heap_off));
-    errors[r] = peers_[r]->error;
   }
-  check_errors(ctx, errors);
   const MoeDispatchHeader& me = *peers_[ctx.rank];
   auto who = [&](int r) { return r == ctx.rank ? std::string("this rank") : str("rank ", r); };
   for (int r = 0; r < W; ++r) {

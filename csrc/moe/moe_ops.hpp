@@ -27,10 +27,8 @@
 
 namespace cam {
 
-constexpr size_t kMoeErrorBytes = 512;
-
-// What both ops share: the stage, the error a rank publishes for its own bad input, per-peer
-// wait times, and the release protocol of rows read in place.
+// What both ops share: the stage, per-peer wait times, and the release protocol of rows read
+// in place. (A rank's bad input never reaches these ops: it is refused before, see RefusedOp.)
 class MoeOp : public CollectiveOp {
  public:
   MoeOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, MoeStage* stage,
@@ -40,8 +38,6 @@ class MoeOp : public CollectiveOp {
   }
 
  protected:
-  // Copies this rank's input error (if any) into the header text; returns whether there was one.
-  static bool publish_error(const std::string& error, char* text);
   // Reserves `bytes` of this op's stage half, zeroes the header at its start and points the
   // descriptor at it (peers find the stage through heap_off).
   template <typename Header>
@@ -51,8 +47,6 @@ class MoeOp : public CollectiveOp {
     d->heap_off = stage_->arena_offset(seq());
     return h;
   }
-  // Refuses when any rank published an input error.
-  void check_errors(Context& ctx, const std::vector<const char*>& texts);
   // Adds each peer's wait (see CollectiveOp::arrival_us_) to `wait_us`, if defined.
   void add_wait_times(const at::Tensor& wait_us) const;
   // After pulling: tell every peer; a rank whose rows were read in place is done only once
@@ -68,7 +62,6 @@ class MoeOp : public CollectiveOp {
 };
 
 struct MoeDispatchArgs {
-  std::string error;          // non-empty: this rank's input is invalid; every rank raises it
   at::Tensor rows;            // (T, width) contiguous: the token rows (x, or its raw bytes)
   at::Tensor ids;             // (T, K) int32 contiguous: routed ids, -1 = not sent
   at::Tensor weights;         // (T, K) float32, or undefined
@@ -111,7 +104,6 @@ class MoeDispatchOp final : public MoeOp {
 };
 
 struct MoeCombineArgs {
-  std::string error;
   at::Tensor rows;            // (n, H) float32/bf16/fp16 contiguous: the rows this rank serves
   at::Tensor segments;        // (nseg, 3) int64: [first row, rows, source rank] of each segment
                               // of `rows` (the source rank is the token owner that reads them)

@@ -18,13 +18,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<cam::CamBackend, c10d::Backend, c10::intrusive_ptr<cam::CamBackend>>(m, "CamBackend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        double timeout_s, const std::map<std::string, std::string>& options,
-                       const std::string& group_id) {
+                       const std::string& group_id, const std::string& group_desc) {
              auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
              auto cfg = cam::CamConfig::from_map(options, timeout);
-             return c10::make_intrusive<cam::CamBackend>(store, rank, size, std::move(cfg), group_id);
+             return c10::make_intrusive<cam::CamBackend>(store, rank, size, std::move(cfg), group_id, group_desc);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"),
-           py::arg("options"), py::arg("group_id"), py::call_guard<py::gil_scoped_release>())
+           py::arg("options"), py::arg("group_id"), py::arg("group_desc") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("config", &cam::CamBackend::config_string)
       .def_property_readonly("group_id", &cam::CamBackend::group_id)
       .def_property_readonly(
@@ -61,7 +61,7 @@ PYBIND11_MODULE(_C, m) {
           "In-place blocking all_reduce of one tensor; op is a ReduceOp code")
       .def(
           "moe_dispatch",
-          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor ids,
+          [](cam::CamBackend& b, at::Tensor rows, at::Tensor ids,
              std::optional<at::Tensor> weights, std::optional<at::Tensor> aux, at::Tensor token_active,
              std::optional<at::Tensor> smooth, int64_t smooth_shift, int64_t num_experts,
              int64_t shared_ranks, int64_t experts_per_rank, bool quant, int64_t slab_rows,
@@ -71,7 +71,6 @@ PYBIND11_MODULE(_C, m) {
              std::optional<at::Tensor> out_occurrence, std::optional<at::Tensor> wait_us,
              double timeout_s) {
             cam::MoeDispatchArgs a;
-            a.error = error;
             a.rows = rows;
             a.ids = ids;
             a.weights = weights.value_or(at::Tensor());
@@ -96,7 +95,7 @@ PYBIND11_MODULE(_C, m) {
             a.wait_us = wait_us.value_or(at::Tensor());
             return b.moe_dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
-          py::arg("error"), py::arg("rows"), py::arg("ids"), py::arg("weights"), py::arg("aux"),
+          py::arg("rows"), py::arg("ids"), py::arg("weights"), py::arg("aux"),
           py::arg("token_active"), py::arg("smooth"), py::arg("smooth_shift"), py::arg("num_experts"),
           py::arg("shared_ranks"), py::arg("experts_per_rank"), py::arg("quant"), py::arg("slab_rows"),
           py::arg("max_tokens"), py::arg("out_rows"), py::arg("out_scales"), py::arg("out_weights"),
@@ -105,12 +104,11 @@ PYBIND11_MODULE(_C, m) {
           "MoE dispatch (see torch_cam/moe.py); returns a Work")
       .def(
           "moe_combine",
-          [](cam::CamBackend& b, const std::string& error, at::Tensor rows, at::Tensor segments,
+          [](cam::CamBackend& b, at::Tensor rows, at::Tensor segments,
              bool quant, at::Tensor plan_peer, at::Tensor plan_seg, at::Tensor plan_off,
              std::optional<at::Tensor> plan_weight, std::optional<at::Tensor> add, bool add_first,
              at::Tensor out, std::optional<at::Tensor> wait_us, double timeout_s) {
             cam::MoeCombineArgs a;
-            a.error = error;
             a.rows = rows;
             a.segments = segments;
             a.quant = quant;
@@ -124,10 +122,18 @@ PYBIND11_MODULE(_C, m) {
             a.wait_us = wait_us.value_or(at::Tensor());
             return b.moe_combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
-          py::arg("error"), py::arg("rows"), py::arg("segments"), py::arg("quant"), py::arg("plan_peer"),
+          py::arg("rows"), py::arg("segments"), py::arg("quant"), py::arg("plan_peer"),
           py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
           py::arg("wait_us") = py::none(), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
           "MoE combine (see torch_cam/moe.py); returns a Work")
+      .def(
+          "refuse",
+          [](cam::CamBackend& b, const std::string& kind, const std::string& op, const std::string& reason) {
+            b.refuse(kind, op, reason);
+          },
+          py::arg("kind"), py::arg("op"), py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+          "Takes part in this rank's next collective (kind: 'moe_dispatch', 'all_reduce', ...) as a refusal of "
+          "its arguments: every peer's op fails at once naming this rank and the reason; raises here")
       .def(
           "moe_empty",
           [](cam::CamBackend& b, const std::vector<int64_t>& sizes, py::object dtype) {

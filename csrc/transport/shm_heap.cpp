@@ -17,6 +17,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <thread>
 
 namespace cam {
 namespace {
@@ -77,10 +78,20 @@ std::string mib(double bytes) {
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
+// The restart attempt of this process's job: torchrun's count, or "0" outside torchrun.
+std::string window_key(int r) { return "cam/window/" + std::to_string(r); }
+std::string mapped_key(int r) { return "cam/mapped/" + std::to_string(r); }
+
+std::string restart_attempt() {
+  const char* c = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return c && *c ? c : "0";
+}
+
+// Window records: one field per line; the failure text, last, may span lines.
 std::string serialize(const PeerInfo& p) {
   std::ostringstream os;
   os << p.segment << '\n' << p.pid << '\n' << p.start_time << '\n' << p.host << '\n' << p.shm_dev
-     << '\n' << p.window_addr;
+     << '\n' << p.window_addr << '\n' << p.attempt << '\n' << p.failure;
   return os.str();
 }
 
@@ -94,7 +105,14 @@ PeerInfo deserialize(const std::vector<uint8_t>& b) {
   std::getline(is, p.host);
   std::getline(is, p.shm_dev);
   std::getline(is, line); p.window_addr = std::stoull(line);
+  std::getline(is, p.attempt);
+  p.failure.assign(std::istreambuf_iterator<char>(is), {});
   return p;
+}
+
+// "mapped" records: attempt, pid of the window's owner, then the failure text (empty: mapped).
+std::string mapped_record(const std::string& attempt, int64_t pid, const std::string& failure) {
+  return attempt + "\n" + std::to_string(pid) + "\n" + failure;
 }
 
 }  // namespace
@@ -118,9 +136,9 @@ int ShmHeap::sweep_stale_segments() {
 }
 
 ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
-                 WindowLayout layout, std::chrono::milliseconds timeout)
-    : rank_(rank), world_(world_size), layout_(layout), bases_(world_size, nullptr),
-      peers_(world_size) {
+                 WindowLayout layout, std::chrono::milliseconds timeout, std::string group)
+    : rank_(rank), world_(world_size), where_(str("cam init of group ", group, " on rank ", rank)),
+      layout_(layout), bases_(world_size, nullptr), peers_(world_size) {
   sweep_stale_segments();
   PeerInfo& me = peers_[rank_];
   me.pid = getpid();
@@ -128,59 +146,30 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   proc_stat(me.pid, &state, &me.start_time);
   me.host = host_identity();
   me.shm_dev = shm_device();
+  me.attempt = restart_attempt();
   me.segment = "/" + std::string(kNamePrefix) + std::to_string(getuid()) + "." +
                std::to_string(me.pid) + "." + random_hex();
   own_name_ = me.segment;
+  bool published = false;
   try {
     create_own_window();
     me.window_addr = reinterpret_cast<uint64_t>(bases_[rank_]);
-    store->set("cam/window/" + std::to_string(rank_), to_bytes(serialize(me)));
-    for (int r = 0; r < world_; ++r) {
-      if (r == rank_) continue;
-      const std::string key = "cam/window/" + std::to_string(r);
-      try {
-        store->wait({key}, timeout);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "cam init on rank ", rank_, ": rank ", r,
-                    " did not publish its window within the group timeout (",
-                    timeout.count(), " ms): ", e.what());
-      }
-      peers_[r] = deserialize(store->get(key));
-      const PeerInfo& p = peers_[r];
-      TORCH_CHECK(p.host == me.host, "cam init on rank ", rank_, ": rank ", r, " runs on host '",
-                  p.host, "' but this rank runs on '", me.host,
-                  "'; the cam shared-memory transport needs every rank of a group on one host");
-      TORCH_CHECK(p.shm_dev == me.shm_dev, "cam init on rank ", rank_, ": rank ", r,
-                  " sees a different /dev/shm (device ", p.shm_dev, " vs ", me.shm_dev,
-                  "); run the ranks in one container or share /dev/shm between them");
-      int fd = shm_open(p.segment.c_str(), O_RDWR, 0600);
-      TORCH_CHECK(fd >= 0, "cam init on rank ", rank_, ": cannot open rank ", r, "'s window ",
-                  p.segment, ": ", std::strerror(errno));
-      void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      int err = errno;
-      ::close(fd);
-      TORCH_CHECK(ptr != MAP_FAILED, "cam init on rank ", rank_, ": cannot map rank ", r,
-                  "'s window (", mib(layout_.total_bytes()), "): ", std::strerror(err));
-      bases_[r] = static_cast<char*>(ptr);
-      auto* h = layout_.header(bases_[r]);
-      TORCH_CHECK(h->magic == kWindowMagic && h->world_size == world_ && h->rank == r,
-                  "cam init on rank ", rank_, ": rank ", r,
-                  "'s window has a different layout (was it built by another torch_cam version?)");
-    }
-    // Every peer is alive and its window exists now: the moment to probe direct reads.
-    direct_read_ = probe_direct_read();
-    store->set("cam/mapped/" + std::to_string(rank_), to_bytes("1"));
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_; ++r) keys.push_back("cam/mapped/" + std::to_string(r));
+    store->set(window_key(rank_), to_bytes(serialize(me)));
+    published = true;
+    rendezvous(store, timeout);
+  } catch (const std::exception& e) {
+    // Tell the peers why, under the key they wait on next, so that they fail now.
+    std::string why = dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
+                                                           : std::string(e.what());
     try {
-      store->wait(keys, timeout);
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "cam init on rank ", rank_,
-                  ": not every rank mapped the heap within the group timeout: ", e.what());
+      if (!published) {
+        me.failure = why;
+        store->set(window_key(rank_), to_bytes(serialize(me)));
+      }
+      store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, why)));
+    } catch (const std::exception&) {
+      // The store itself failed: the peers learn of it from their own store calls.
     }
-    shm_unlink(own_name_.c_str());
-    own_unlinked_ = true;
-  } catch (...) {
     if (!own_unlinked_) shm_unlink(own_name_.c_str());
     own_unlinked_ = true;
     for (int r = 0; r < world_; ++r) {
@@ -192,19 +181,109 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   }
 }
 
+std::string ShmHeap::current_record(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int r,
+                                    std::chrono::steady_clock::time_point deadline, const char* what,
+                                    const std::function<std::string(const std::string&)>& stale) {
+  auto pause = std::chrono::milliseconds(1);
+  std::string why_stale;
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      store->wait({key}, std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, where_, ": rank ", r, " did not ", what, " within the group timeout: ", e.what());
+    }
+    const auto bytes = store->get(key);
+    std::string value(bytes.begin(), bytes.end());
+    why_stale = stale(value);
+    if (why_stale.empty()) return value;
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, where_, ": rank ", r, " did not ", what,
+                " within the group timeout; the store holds only a stale record for it (", why_stale,
+                "). A restarted job reusing the store (torchrun --max-restarts) is handled by "
+                "TORCHELASTIC_RESTART_COUNT; otherwise give each attempt a fresh store "
+                "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+}
+
+std::string ShmHeap::mapped_failure(const c10::intrusive_ptr<c10d::Store>& store, int r,
+                                    std::chrono::steady_clock::time_point deadline) {
+  const std::string& me = peers_[rank_].attempt;
+  auto record = current_record(store, mapped_key(r), r, deadline, "map the heap", [&](const std::string& v) {
+    std::istringstream is(v);
+    std::string attempt, pid;
+    std::getline(is, attempt);
+    std::getline(is, pid);
+    if (attempt != me || pid != std::to_string(peers_[r].pid)) return str("it is of attempt ", attempt, " and process ", pid);
+    return std::string();
+  });
+  // attempt \n pid \n failure
+  const size_t second = record.find('\n', record.find('\n') + 1);
+  return second == std::string::npos ? std::string() : record.substr(second + 1);
+}
+
+void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+  const PeerInfo& me = peers_[rank_];
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    auto record = current_record(store, window_key(r), r, deadline, "publish its window", [&](const std::string& v) {
+      PeerInfo p = deserialize(to_bytes(v));
+      if (p.attempt != me.attempt) return str("it is of restart attempt ", p.attempt, ", this rank's is ", me.attempt);
+      if (p.host == me.host && pid_gone(p.pid)) return str("its process ", p.pid, " is gone");
+      return std::string();
+    });
+    peers_[r] = deserialize(to_bytes(record));
+    const PeerInfo& p = peers_[r];
+    TORCH_CHECK(p.failure.empty(), where_, ": rank ", r, " could not set up its window: ", p.failure);
+    TORCH_CHECK(p.host == me.host, where_, ": rank ", r, " runs on host '", p.host, "' but this rank runs on '",
+                me.host, "'; the cam shared-memory transport needs every rank of a group on one host");
+    TORCH_CHECK(p.shm_dev == me.shm_dev, where_, ": rank ", r, " sees a different /dev/shm (device ", p.shm_dev,
+                " vs ", me.shm_dev, "); run the ranks in one container or share /dev/shm between them");
+    int fd = shm_open(p.segment.c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      // Most often the peer failed after publishing (and removed its window): say why.
+      const int err = errno;
+      const std::string why = mapped_failure(store, r, deadline);
+      TORCH_CHECK(why.empty(), where_, ": rank ", r, " could not map the heap: ", why);
+      TORCH_CHECK(false, where_, ": cannot open rank ", r, "'s window ", p.segment, ": ", std::strerror(err));
+    }
+    void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    ::close(fd);
+    TORCH_CHECK(ptr != MAP_FAILED, where_, ": cannot map rank ", r, "'s window (", mib(layout_.total_bytes()),
+                "): ", std::strerror(err));
+    bases_[r] = static_cast<char*>(ptr);
+    auto* h = layout_.header(bases_[r]);
+    TORCH_CHECK(h->magic == kWindowMagic && h->world_size == world_ && h->rank == r, where_, ": rank ", r,
+                "'s window has a different layout (was it built by another torch_cam version?)");
+  }
+  // Every peer is alive and its window exists now: the moment to probe direct reads.
+  direct_read_ = probe_direct_read();
+  store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, "")));
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_) continue;
+    const std::string why = mapped_failure(store, r, deadline);
+    TORCH_CHECK(why.empty(), where_, ": rank ", r, " could not map the heap: ", why);
+  }
+  shm_unlink(own_name_.c_str());
+  own_unlinked_ = true;
+}
+
 void ShmHeap::create_own_window() {
   const size_t bytes = layout_.reserved_bytes();
   struct statvfs vfs {};
   if (statvfs(kShmDir, &vfs) == 0) {
     const double total = double(vfs.f_blocks) * vfs.f_frsize;
     const double avail = double(vfs.f_bavail) * vfs.f_frsize;
-    TORCH_CHECK(double(bytes) <= avail, "cam init on rank ", rank_, ": the window needs ",
+    TORCH_CHECK(double(bytes) <= avail, where_, ": the window needs ",
                 mib(bytes), " of shared memory but ", kShmDir, " has only ", mib(avail),
                 " free (of ", mib(total), "). Enlarge it (docker --shm-size, a memory-backed "
                 "emptyDir) or lower TORCH_CAM_WINDOW_BYTES / Options.window_bytes");
   }
   int fd = shm_open(own_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  TORCH_CHECK(fd >= 0, "cam init on rank ", rank_, ": shm_open(", own_name_,
+  TORCH_CHECK(fd >= 0, where_, ": shm_open(", own_name_,
               ") failed: ", std::strerror(errno));
   int rc = ftruncate(fd, off_t(layout_.total_bytes()));
   if (rc == 0) rc = posix_fallocate(fd, 0, off_t(bytes));
@@ -213,7 +292,7 @@ void ShmHeap::create_own_window() {
     ::close(fd);
     shm_unlink(own_name_.c_str());
     own_unlinked_ = true;
-    TORCH_CHECK(false, "cam init on rank ", rank_, ": cannot reserve ", mib(bytes),
+    TORCH_CHECK(false, where_, ": cannot reserve ", mib(bytes),
                 " of shared memory in ", kShmDir, " for this rank's window: ",
                 std::strerror(rc), ". Enlarge ", kShmDir,
                 " or lower TORCH_CAM_WINDOW_BYTES / Options.window_bytes");
@@ -222,7 +301,7 @@ void ShmHeap::create_own_window() {
   void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   int err = errno;
   if (ptr == MAP_FAILED) ::close(fd);
-  TORCH_CHECK(ptr != MAP_FAILED, "cam init on rank ", rank_, ": cannot map own window: ",
+  TORCH_CHECK(ptr != MAP_FAILED, where_, ": cannot map own window: ",
               std::strerror(err));
   madvise(ptr, bytes, MADV_WILLNEED);
   bases_[rank_] = static_cast<char*>(ptr);

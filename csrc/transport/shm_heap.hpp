@@ -7,11 +7,19 @@
 // of the group is visible in /dev/shm: even SIGKILL leaks nothing. A rank killed during the
 // short rendezvous leaves a name behind; the next ShmHeap on the host removes names whose owner
 // process is gone, and surviving ranks remove a dead peer's name when rendezvous fails.
+//
+// Init failures are shared: a rank that cannot create its window publishes why under its
+// window key, and one that fails later (a peer's window cannot be opened or mapped) under its
+// "mapped" key, so every peer raises at once with that reason instead of at the timeout.
+// Records carry the restart attempt (TORCHELASTIC_RESTART_COUNT): torchrun may hand a
+// restarted job the same store, and a record of an earlier attempt, or of a process that is
+// gone, is waited past until the current one arrives.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,12 +35,15 @@ struct PeerInfo {
   std::string host;         // hostname + boot id
   std::string shm_dev;      // device and inode of /dev/shm
   uint64_t window_addr = 0; // where the owner mapped its window (target of the probe)
+  std::string attempt;      // restart attempt of the owner's job
+  std::string failure;      // non-empty: the owner could not set up its window, and why
 };
 
 class ShmHeap final : public SymmetricHeap {
  public:
+  // `group` names the group in messages (its name and global ranks).
   ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
-          WindowLayout layout, std::chrono::milliseconds timeout);
+          WindowLayout layout, std::chrono::milliseconds timeout, std::string group);
   ~ShmHeap() override;
 
   int rank() const override { return rank_; }
@@ -52,9 +63,19 @@ class ShmHeap final : public SymmetricHeap {
 
  private:
   void create_own_window();
+  void rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout);
+  // Why rank r could not map the heap ("" when it did), from its "mapped" record.
+  std::string mapped_failure(const c10::intrusive_ptr<c10d::Store>& store, int r,
+                             std::chrono::steady_clock::time_point deadline);
+  // The value under `key` written by this attempt's owner of rank r: waits for the key, and
+  // past records of an earlier attempt or a dead process, until the deadline.
+  std::string current_record(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int r,
+                             std::chrono::steady_clock::time_point deadline, const char* what,
+                             const std::function<std::string(const std::string&)>& stale);
   bool probe_direct_read() const;
   void unmap_all();
   int rank_, world_;
+  std::string where_;  // "cam init of group '1' (global ranks [0, 1]) on rank 0"
   WindowLayout layout_;
   std::vector<char*> bases_;
   std::vector<PeerInfo> peers_;

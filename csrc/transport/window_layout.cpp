@@ -11,7 +11,7 @@ WindowLayout::WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_
       arena_bytes_(int64_t(align_up(size_t(arena_bytes), 4096))),
       eager_bytes_(int64_t(align_up(size_t(eager_bytes), 64))) {
   const size_t lines = size_t(n_) * sizeof(SignalLine);
-  desc_slot_ = align_up(sizeof(CollDesc) + 3 * sizeof(int64_t) * n_, 64);
+  desc_slot_ = align_up(sizeof(CollDesc) + 3 * sizeof(int64_t) * n_, 64) + kRefusalTextBytes;
   size_t off = align_up(sizeof(WindowHeader), 64);
   off_error_ = off;      off += align_up(sizeof(ErrorReport), 64);
   off_desc_seq_ = off;   off += sizeof(SignalLine);

@@ -20,9 +20,12 @@
 
 namespace cam {
 
-constexpr uint64_t kWindowMagic = 0x43414d57494e0003ull;  // "CAMWIN" v3
+constexpr uint64_t kWindowMagic = 0x43414d57494e0004ull;  // "CAMWIN" v4
 constexpr int kAckSlots = 64;           // unacknowledged p2p messages per (src, dst)
 constexpr size_t kErrorTextBytes = 1024;
+// Why a rank refused its own arguments (collective descriptors, p2p acknowledgements).
+constexpr size_t kRefusalTextBytes = 512;
+constexpr size_t kAckReasonBytes = 224;
 
 struct alignas(64) WindowHeader {
   uint64_t magic;
@@ -56,18 +59,23 @@ struct alignas(64) CollDesc {
   int64_t heap_off;
   int32_t red_op;    // kernels::RedOp of reductions
   int32_t algo;      // algorithm the rank chose (all ranks must agree)
-  // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all)
+  // 1: this rank's own checks refused its arguments; the slot's refusal text says why and
+  // nothing else in the descriptor is meaningful.
+  int32_t refused;
+  // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all),
+  // then the refusal text (kRefusalTextBytes, NUL-terminated; written only when refused)
 };
 
-struct alignas(32) AckSlot {
+struct alignas(64) AckSlot {
   uint64_t seq;            // 1 + message index, release-stored last
   int64_t expected_nbytes; // what the matching recv holds (for the sender's error message)
   int32_t status;          // AckStatus
   int32_t expected_dtype;
-  int64_t pad;
+  char reason[kAckReasonBytes];  // kAckRefused: why the recv refused its own arguments
 };
+static_assert(sizeof(AckSlot) == 256);
 
-enum AckStatus : int32_t { kAckOk = 0, kAckSizeMismatch = 1 };
+enum AckStatus : int32_t { kAckOk = 0, kAckSizeMismatch = 1, kAckRefused = 2 };
 
 class WindowLayout {
  public:
@@ -83,6 +91,8 @@ class WindowLayout {
   int64_t p2p_ring_bytes() const { return p2p_ring_; }
   int64_t coll_bytes() const { return coll_bytes_; }
   size_t desc_slot_bytes() const { return desc_slot_; }
+  // What publishing clears of a slot: everything but the refusal text.
+  size_t desc_fixed_bytes() const { return desc_slot_ - kRefusalTextBytes; }
 
   WindowHeader* header(char* w) const { return reinterpret_cast<WindowHeader*>(w); }
   ErrorReport* error(char* w) const { return reinterpret_cast<ErrorReport*>(w + off_error_); }
@@ -98,6 +108,10 @@ class WindowLayout {
   uint64_t* desc_send_addr(CollDesc* d) const { return reinterpret_cast<uint64_t*>(desc_recv_bytes(d) + n_); }
   const uint64_t* desc_send_addr(const CollDesc* d) const {
     return reinterpret_cast<const uint64_t*>(desc_recv_bytes(d) + n_);
+  }
+  char* desc_refusal(CollDesc* d) const { return reinterpret_cast<char*>(d) + desc_fixed_bytes(); }
+  const char* desc_refusal(const CollDesc* d) const {
+    return reinterpret_cast<const char*>(d) + desc_fixed_bytes();
   }
   // Collective streams: produced[dst] in the producer's window, consumed[src] in the consumer's.
   uint64_t& produced(char* w, int dst) const { return line(w, off_produced_, dst); }
