@@ -134,6 +134,27 @@ class KVCases(CamProcessGroupCase):
             self.assertIn("layer 7", kv.wait_notification(b"bad-layer", timeout_s=30).message)
         dist.barrier()
 
+    def test_unreadable_ids_and_long_request_ids_fail_both_sides_at_once(self):
+        """Block ids that are not ints fail the push and tell the decode rank (whose wait
+        returns at once, not at its timeout); a request id longer than a notification holds is
+        refused by push and by wait_notification alike."""
+        kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
+        long_id = b"x" * 65
+        if role == "prefill":
+            with self.assertRaisesRegex(ValueError, r"src_block_ids must hold ints, got 0\.5"):
+                kv.push(1, [0.5, 1], [0, 1], 8, request_id=b"float-ids")
+            with self.assertRaisesRegex(ValueError, r"request_id has 65 bytes, at most 64"):
+                kv.push(1, [0], [0], 4, request_id=long_id)
+        elif role == "decode":
+            start = time.monotonic()
+            n = kv.wait_notification(b"float-ids", timeout_s=30)
+            self.assertLess(time.monotonic() - start, 5)
+            self.assertFalse(n.ok)
+            self.assertIn("src_block_ids must hold ints", n.message)
+            with self.assertRaisesRegex(ValueError, r"request_id has 65 bytes, at most 64"):
+                kv.wait_notification(long_id, timeout_s=30)
+        dist.barrier()
+
     def test_reregistration_refuses_stale_version(self):
         kv, lay, pools, role, idx = self.setup([0], [1], {}, {})
         if role == "prefill":

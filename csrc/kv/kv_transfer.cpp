@@ -228,8 +228,8 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
   TORCH_CHECK(own != nullptr, "cam KVTransfer on rank ", rank_, ": register this rank's pools first");
   const PeerRegistration reg = read_registration(peer);
   TORCH_CHECK(reg.version != 0, "cam KVTransfer on rank ", rank_, ": rank ", peer, " has registered no KV pools");
-  const auto deadline = Clock::now() + timeout_;
   try {
+    const auto deadline = Clock::now() + timeout_;
     TORCH_CHECK(expect_version < 0 || uint64_t(expect_version) == reg.version, "rank ", peer,
                 "'s KV pools were re-registered (version ", expect_version, " -> ", reg.version,
                 "); block ids planned against the old registration are refused");
@@ -255,18 +255,26 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
   } catch (const c10::Error& e) {
     // The message names the transfer (direction, peer, request, rank); the peer still hears
     // that this request failed (it may be waiting for it).
-    std::string msg = str(what, ": ", e.msg());
-    try {
-      notify(peer, kind, kFailed, 0, request_id, msg, deadline, what);
-    } catch (const std::exception& unreachable) {
-      msg += str(" (rank ", peer, " could not be told: ", unreachable.what(), ")");
-    }
+    const std::string msg = refuse(kind, peer, request_id, e.msg());
     // Same type as the check that failed: IndexError / ValueError / RuntimeError in Python.
     const c10::SourceLocation here{__func__, __FILE__, uint32_t(__LINE__)};
     if (dynamic_cast<const c10::IndexError*>(&e)) throw c10::IndexError(here, msg);
     if (dynamic_cast<const c10::ValueError*>(&e)) throw c10::ValueError(here, msg);
     throw c10::Error(here, msg);
   }
+}
+
+std::string KVTransfer::refuse(int64_t kind, int peer, const std::string& request_id, const std::string& reason) {
+  const std::string what = str("cam KV ", kind == kPush ? "push to" : "pull from", " rank ", peer, " (request '",
+                               printable(request_id), "') on rank ", rank_);
+  std::string msg = str(what, ": ", reason);
+  if (peer < 0 || peer >= world_ || peer == rank_ || int64_t(request_id.size()) > kIdBytes) return msg;
+  try {
+    notify(peer, kind, kFailed, 0, request_id, msg, Clock::now() + timeout_, what);
+  } catch (const std::exception& unreachable) {
+    msg += str(" (rank ", peer, " could not be told: ", unreachable.what(), ")");
+  }
+  return msg;
 }
 
 void KVTransfer::finish(KVTransferJob& job, std::string error, bool timed_out) {
@@ -423,6 +431,9 @@ KVNotification KVTransfer::wait_notification(const std::string& request_id, int 
                                               std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(peer < world_ && peer != rank_, "cam KVTransfer.wait_notification on rank ", rank_, ": peer ",
                     peer, " is not another rank of the group of ", world_);
+  // No transfer can carry a longer id, so none can ever notify it.
+  TORCH_CHECK_VALUE(int64_t(request_id.size()) <= kIdBytes, "cam KVTransfer.wait_notification on rank ", rank_,
+                    ": request_id has ", request_id.size(), " bytes, at most ", kIdBytes);
   const auto& cfg = engine_->config();
   Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
   const auto deadline = Clock::now() + timeout;

@@ -97,6 +97,10 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   std::shared_ptr<KVTransferJob> prepare(int64_t kind, int peer, BlockIds src_ids, BlockIds dst_ids,
                                          int64_t num_tokens, std::vector<int64_t> layers, bool all_layers,
                                          const std::string& request_id, int64_t expect_version);
+  // A transfer refused before prepare could read its arguments (block ids that are not ints):
+  // tells the peer that request_id failed, when the peer and the id are valid (it may be
+  // waiting for it). Returns the message, noting a peer that could not be told.
+  std::string refuse(int64_t kind, int peer, const std::string& request_id, const std::string& reason);
   // Runs the job on this thread until done (waits back off; deadline from prepare).
   void run(KVTransferJob& job);
   // Hands the job to the group's engine; the Work completes (or fails) with it.

@@ -8,6 +8,8 @@
 #include "../backend/cam_backend.hpp"
 #include "../kv/kv_transfer.hpp"
 
+#include <optional>
+
 namespace py = pybind11;
 
 namespace {
@@ -190,11 +192,25 @@ void bind_kv(py::module& m) {
           "transfer",
           [](cam::kv::KVTransfer& t, int64_t kind, int peer, py::handle src_ids, py::handle dst_ids,
              int64_t num_tokens, py::handle layers, py::bytes request_id, int64_t expect_version, bool async_op) {
-            IdsArg si(src_ids, "src_block_ids"), di(dst_ids, "dst_block_ids");
-            auto [ls, all] = layers_arg(layers);
             const std::string rid = request_id;
+            std::optional<IdsArg> si, di;
+            std::pair<std::vector<int64_t>, bool> ls;
+            try {
+              si.emplace(src_ids, "src_block_ids");
+              di.emplace(dst_ids, "dst_block_ids");
+              ls = layers_arg(layers);
+            } catch (const std::exception& e) {
+              // Ids that cannot be read fail the peer's wait too; the error keeps its type.
+              const std::string reason = e.what();
+              {
+                py::gil_scoped_release nogil;
+                t.refuse(kind, peer, rid, reason);
+              }
+              throw;
+            }
             py::gil_scoped_release nogil;
-            auto job = t.prepare(kind, peer, si.view, di.view, num_tokens, std::move(ls), all, rid, expect_version);
+            auto job = t.prepare(kind, peer, si->view, di->view, num_tokens, std::move(ls.first), ls.second, rid,
+                                 expect_version);
             c10::intrusive_ptr<c10d::Work> work;
             if (async_op) work = t.submit(job);
             else t.run(*job);
