@@ -14,10 +14,13 @@ run 900 tests/test_collectives.py
 run 600 tests/test_collective_errors.py
 run 900 tests/test_moe_reference.py tests/test_moe.py tests/test_moe_buffer.py
 run 600 tests/test_kv_reference.py tests/test_kv_copy.py tests/test_kv.py
-run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py
+run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py
+run 600 tests/test_fuzz_args.py
 run 1200 tests/integration
 if [ -f tests/dist_suite/run_dist_suite.py ]; then
   run 900 tests/dist_suite/run_dist_suite.py
+  # The monitored_barrier failure tests need 8 ranks (they skip at the default 2).
+  WORLD_SIZE=8 run 300 tests/dist_suite/run_dist_suite.py -k "monitored_barrier_failure_order or monitored_barrier_wait_all_ranks"
 fi
 leaked=$(ls /dev/shm 2>/dev/null | grep "^torch_cam\.$(id -u)\." || true)
 if [ -n "$leaked" ]; then
