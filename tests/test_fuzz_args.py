@@ -6,7 +6,8 @@ negative, miscounted or of the wrong length, an out-of-range root, a dtype the r
 take) while the others pass good ones. Asserted on every rank: the op raises within 2 s (the
 group timeout is 20 s, so a rank that only raises at the timeout fails the test), the message
 names the op and the bad rank, no process dies, and a correct all_reduce right after gives the
-right sum. The ops are called on the process group directly, so that torch's Python layer
+right sum. KV pushes are fuzzed too: the pushing rank raises and its peer's wait for the
+request returns FAILED at once. The ops are called on the process group directly, so that torch's Python layer
 (which answers some bad inputs itself, on the calling rank only) stays out of the way.
 """
 import os
@@ -263,6 +264,31 @@ def _p2p(pg, r, w, bad, bad_rank, pair):
 P2P_KINDS = ["expanded", "numel", "dtype", "zero_dim"]
 
 
+def _kv(kv, r, bad, bad_rank, pair, case_index):
+    """A KV push (or pull) from pair[0] to pair[1]; the bad rank is the transferring one. Its
+    peer waits for the request's notification, which must say FAILED at once."""
+    src, dst = pair
+    rid = f"fuzz-{case_index}".encode()
+    if r == src:
+        src_ids, dst_ids, tokens, layers = [0, 1], [2, 3], 8, None
+        if bad == "float_ids":
+            src_ids = [0.5, 1]
+        elif bad == "block_range":
+            dst_ids = [2, 99]
+        elif bad == "numel":
+            tokens = 9  # more tokens than two blocks of 4 hold
+        elif bad == "layer":
+            layers = [5]
+        kv.push(dst, src_ids, dst_ids, tokens, layers=layers, request_id=rid)
+    elif r == dst:
+        n = kv.wait_notification(rid, peer=src, timeout_s=GROUP_TIMEOUT_S)
+        if not n.ok:
+            raise RuntimeError(n.message)
+
+
+KV_KINDS = ["float_ids", "block_range", "numel", "layer"]
+
+
 def plan(seed: int, world: int):
     """The case list: every (op, kind) once, each with a bad rank drawn from the seed."""
     rng = random.Random(seed)
@@ -273,6 +299,10 @@ def plan(seed: int, world: int):
         # A send of an expanded tensor is fine (it is read); the receiver's is not.
         bad = dst if kind == "expanded" else rng.choice([src, dst])
         cases.append((f"p2p:{src}->{dst}", kind, bad))
+    for kind in KV_KINDS:
+        src = rng.randrange(world)
+        dst = (src + 1 + rng.randrange(world - 1)) % world
+        cases.append((f"kv:{src}->{dst}", kind, src))
     rng.shuffle(cases)
     return cases
 
@@ -282,14 +312,22 @@ def _worker(rank, world, init_file, seed):
     dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     pg = dist.distributed_c10d._get_default_group()
+    from torch_cam.kv import KVLayout, KVTransfer
+    kv = KVTransfer()  # collective
+    lay = KVLayout("mha", 2, 8, 4, 2, 4, torch.bfloat16, "NHD")
+    kv.register(kv.allocate(lay), lay)
+    pg.barrier().wait()
     results = []
-    for op, kind, bad_rank in plan(seed, world):
+    for i, (op, kind, bad_rank) in enumerate(plan(seed, world)):
         start = time.monotonic()
         err = None
         try:
             if op.startswith("p2p:"):
                 src, dst = (int(x) for x in op[4:].split("->"))
                 _p2p(pg, rank, world, kind, bad_rank, (src, dst))
+            elif op.startswith("kv:"):
+                src, dst = (int(x) for x in op[3:].split("->"))
+                _kv(kv, rank, kind, bad_rank, (src, dst), i)
             else:
                 CASES[op][0](pg, rank, world, kind if rank == bad_rank else None)
         except Exception as e:  # noqa: BLE001 (any Python exception is a pass; a signal is not)
@@ -319,9 +357,12 @@ class OneBadRankFuzzTest(unittest.TestCase):
         n = len(per_rank[0])
         for i in range(n):
             op, kind, bad = per_rank[0][i][:3]
-            p2p = op.startswith("p2p:")
-            involved = [int(x) for x in op[4:].split("->")] if p2p else range(world)
-            name = ("send" if bad == involved[0] else "recv") if p2p else OP_NAMES.get(op, op)
+            p2p, kvop = op.startswith("p2p:"), op.startswith("kv:")
+            involved = [int(x) for x in op.split(":")[1].split("->")] if p2p or kvop else range(world)
+            if p2p:
+                name = "send" if bad == involved[0] else "recv"
+            else:
+                name = "cam KV push" if kvop else OP_NAMES.get(op, op)
             for r in involved:
                 _, _, _, err, elapsed, usable = per_rank[r][i]
                 where = f"{op} with bad {kind} on rank {bad}, seen by rank {r}"

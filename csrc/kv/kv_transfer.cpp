@@ -255,13 +255,15 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
   } catch (const c10::Error& e) {
     // The message names the transfer (direction, peer, request, rank); the peer still hears
     // that this request failed (it may be waiting for it).
-    const std::string msg = refuse(kind, peer, request_id, e.msg());
-    // Same type as the check that failed: IndexError / ValueError / RuntimeError in Python.
-    const c10::SourceLocation here{__func__, __FILE__, uint32_t(__LINE__)};
-    if (dynamic_cast<const c10::IndexError*>(&e)) throw c10::IndexError(here, msg);
-    if (dynamic_cast<const c10::ValueError*>(&e)) throw c10::ValueError(here, msg);
-    throw c10::Error(here, msg);
+    throw_like(e, refuse(kind, peer, request_id, e.msg()));
   }
+}
+
+void throw_like(const c10::Error& e, const std::string& msg) {
+  const c10::SourceLocation here{__func__, __FILE__, uint32_t(__LINE__)};
+  if (dynamic_cast<const c10::IndexError*>(&e)) throw c10::IndexError(here, msg);
+  if (dynamic_cast<const c10::ValueError*>(&e)) throw c10::ValueError(here, msg);
+  throw c10::Error(here, msg);
 }
 
 std::string KVTransfer::refuse(int64_t kind, int peer, const std::string& request_id, const std::string& reason) {

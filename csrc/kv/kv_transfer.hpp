@@ -163,4 +163,7 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   std::vector<KVNotification> queue_;
 };
 
+// Throws msg with the type of e (IndexError / ValueError / RuntimeError in Python).
+[[noreturn]] void throw_like(const c10::Error& e, const std::string& msg);
+
 }  // namespace cam::kv

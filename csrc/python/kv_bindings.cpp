@@ -199,14 +199,22 @@ void bind_kv(py::module& m) {
               si.emplace(src_ids, "src_block_ids");
               di.emplace(dst_ids, "dst_block_ids");
               ls = layers_arg(layers);
-            } catch (const std::exception& e) {
-              // Ids that cannot be read fail the peer's wait too; the error keeps its type.
-              const std::string reason = e.what();
+            } catch (const c10::Error& e) {
+              // Ids that cannot be read fail the peer's wait too; the error keeps its type and
+              // names the transfer.
+              std::string msg;
               {
                 py::gil_scoped_release nogil;
-                t.refuse(kind, peer, rid, reason);
+                msg = t.refuse(kind, peer, rid, e.msg());
               }
-              throw;
+              cam::kv::throw_like(e, msg);
+            } catch (py::error_already_set& e) {
+              std::string msg;
+              {
+                py::gil_scoped_release nogil;
+                msg = t.refuse(kind, peer, rid, e.what());
+              }
+              throw py::type_error(msg);
             }
             py::gil_scoped_release nogil;
             auto job = t.prepare(kind, peer, si->view, di->view, num_tokens, std::move(ls.first), ls.second, rid,
