@@ -22,6 +22,8 @@ Output contract (what the NPU documents, plus what it leaves open):
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -118,6 +120,15 @@ class _Checks:
             self.error = what() if callable(what) else what
         return ok
 
+    @contextlib.contextmanager
+    def guard(self):
+        """Planning in this block that raises (an argument torch itself rejects) becomes this
+        call's error, refused on every rank, instead of failing this rank alone."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001
+            self.require(False, f"{type(e).__name__}: {e}")
+
 
 def _check_layout(c: _Checks, W: int, rank: int, ep_world_size, ep_rank_id, moe_expert_num, S,
                   tp_world_size, shared_expert_num, expert_shard_type):
@@ -197,24 +208,25 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
     c.require(global_bs >= 0 and global_bs % W == 0, lambda: f"global_bs must be 0 or a multiple of ep_world_size {W}, got {global_bs}")
     if c.error:
         _fail_collectively(backend, op, c.error)
-    L = M // (W - S)
-    T = max(int(tp_world_size), 1)
-    c.require(T == 1 or L == 1, lambda: f"tp_world_size 2 needs one expert per rank, got {L}")
-    BS, K = expert_ids.shape
-    H = x.shape[1]
-    routed, token_active, _ = _active_entries(c, expert_ids, x_active_mask, special, M)
-    if expert_scales is not None:
-        c.require(isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (BS, K),
-                  lambda: f"expert_scales must be float32 ({BS}, {K}), got {tuple(expert_scales.shape)}")
-    smooth = None
-    _check_performance_info(c, performance_info, W)
-    if scales is not None and quant_mode == 2:
-        rows_needed = M + (1 if S > 0 else 0)
-        c.require(isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] >= rows_needed
-                  and scales.shape[1] == H,
-                  lambda: f"scales must be float32 ({rows_needed}, {H}) (one smooth-scale row per expert"
-                          f"{', shared expert first' if S else ''}), got {tuple(scales.shape)}")
-        smooth = scales.to(torch.float32).contiguous()
+    with c.guard():
+        L = M // (W - S)
+        T = max(int(tp_world_size), 1)
+        c.require(T == 1 or L == 1, lambda: f"tp_world_size 2 needs one expert per rank, got {L}")
+        BS, K = expert_ids.shape
+        H = x.shape[1]
+        routed, token_active, _ = _active_entries(c, expert_ids, x_active_mask, special, M)
+        if expert_scales is not None:
+            c.require(isinstance(expert_scales, torch.Tensor) and expert_scales.shape == (BS, K),
+                      lambda: f"expert_scales must be float32 ({BS}, {K}), got {tuple(expert_scales.shape)}")
+        smooth = None
+        _check_performance_info(c, performance_info, W)
+        if scales is not None and quant_mode == 2:
+            rows_needed = M + (1 if S > 0 else 0)
+            c.require(isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[0] >= rows_needed
+                      and scales.shape[1] == H,
+                      lambda: f"scales must be float32 ({rows_needed}, {H}) (one smooth-scale row per expert"
+                              f"{', shared expert first' if S else ''}), got {tuple(scales.shape)}")
+            smooth = scales.to(torch.float32).contiguous()
     if c.error:
         _fail_collectively(backend, op, c.error)
 
@@ -313,7 +325,8 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     (int64, one entry per EP rank) accumulates the microseconds this rank waited for each
     peer to arrive."""
     if elastic_info is not None:
-        raise ValueError("cam moe_distribute_dispatch_v2: elastic_info (elastic EP shrink) is not supported")
+        _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_dispatch_v2",
+                           "elastic_info (elastic EP shrink) is not supported")
     special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
     return _dispatch("moe_distribute_dispatch_v2", x, expert_ids, group_ep, ep_world_size, ep_rank_id,
                      moe_expert_num, scales=scales, x_active_mask=x_active_mask,
@@ -352,23 +365,24 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
     c.require(comm_quant_mode in (0, 2), lambda: f"comm_quant_mode must be 0 or 2, got {comm_quant_mode}")
     if c.error:
         _fail_collectively(backend, op, c.error, combine=True)
-    L = M // (W - S)
-    T = max(int(tp_world_size), 1)
-    BS, K = expert_ids.shape
-    H = expand_x.shape[1]
-    special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
-    routed, token_active, entry_active = _active_entries(c, expert_ids, x_active_mask, special, M)
-    is_shared = rank < S
-    L_here = 1 if is_shared else L
-    counts = ep_send_counts.to(torch.int32).contiguous()
-    c.require(counts.numel() == W * T * L_here,
-              lambda: f"ep_send_counts must be dispatch's ep_recv_counts ({W * T * L_here} entries), got {counts.numel()}")
-    if expert_scales is not None:
-        c.require(expert_scales.shape == (BS, K), lambda: f"expert_scales must be ({BS}, {K}), got {tuple(expert_scales.shape)}")
-    _check_performance_info(c, performance_info, W)
-    if not v2:
-        c.require(isinstance(expand_idx, torch.Tensor) and expand_idx.numel() == BS * K,
-                  lambda: f"expand_idx must be dispatch's ({BS * K},) expand_idx, got {tuple(getattr(expand_idx, 'shape', ()))}")
+    with c.guard():
+        L = M // (W - S)
+        T = max(int(tp_world_size), 1)
+        BS, K = expert_ids.shape
+        H = expand_x.shape[1]
+        special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
+        routed, token_active, entry_active = _active_entries(c, expert_ids, x_active_mask, special, M)
+        is_shared = rank < S
+        L_here = 1 if is_shared else L
+        counts = ep_send_counts.to(torch.int32).contiguous()
+        c.require(counts.numel() == W * T * L_here,
+                  lambda: f"ep_send_counts must be dispatch's ep_recv_counts ({W * T * L_here} entries), got {counts.numel()}")
+        if expert_scales is not None:
+            c.require(expert_scales.shape == (BS, K), lambda: f"expert_scales must be ({BS}, {K}), got {tuple(expert_scales.shape)}")
+        _check_performance_info(c, performance_info, W)
+        if not v2:
+            c.require(isinstance(expand_idx, torch.Tensor) and expand_idx.numel() == BS * K,
+                      lambda: f"expand_idx must be dispatch's ({BS * K},) expand_idx, got {tuple(getattr(expand_idx, 'shape', ()))}")
     if c.error:
         _fail_collectively(backend, op, c.error, combine=True)
     own = counts[: W * L_here]
@@ -376,43 +390,46 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
     rows = expand_x[:n_own]
     if T == 2:
         rows = _tp_reduce(group_tp, expand_x, n_own, tp_send_counts)
-    # The plan: for every token, where each of its rows lives (rank, segment, offset) and its weight.
-    idx = occurrence_index(routed.view(-1)) if v2 else expand_idx.to(torch.int64).view(-1)
-    e = routed.to(torch.int64)
-    valid = e >= 0
-    P = K + (1 if S > 0 else 0)
-    peer = torch.full((BS, P), -1, dtype=torch.int32)
-    seg = torch.zeros(BS, P, dtype=torch.int32)
-    off = torch.zeros(BS, P, dtype=torch.int64)
-    weight = torch.ones(BS, P, dtype=torch.float32)
-    e_safe = e.clamp(min=0)
-    peer[:, :K] = torch.where(valid, S + e_safe // L, -1).to(torch.int32)
-    seg[:, :K] = ((e_safe % L) * W + rank).to(torch.int32)
-    off[:, :K] = idx.view(BS, K)
-    if expert_scales is not None:
-        weight[:, :K] = expert_scales.to(torch.float32)
-    if S > 0:
-        # The shared-expert row: on a shared rank its own token (chunked by its own split), on
-        # a routed-expert rank the token's chunk at shared rank `chunk`.
-        tok = torch.arange(BS)
-        bounds = torch.tensor([shared_chunk_lo(rank, cc, BS, S) for cc in range(S + 1)])
-        chunk = torch.searchsorted(bounds, tok, right=True) - 1
-        act = token_active.to(torch.int64)
-        before = torch.cumsum(act, 0) - act  # active tokens before t
-        at_chunk_start = before.new_tensor([int(act[:bounds[cc]].sum()) for cc in range(S)])
-        peer[:, K] = torch.where(token_active, rank if is_shared else chunk, -1).to(torch.int32)
-        seg[:, K] = (chunk if is_shared else torch.full_like(chunk, rank)).to(torch.int32)
-        off[:, K] = before - at_chunk_start[chunk]
-    add = None
-    if shared_expert_x is not None:
-        add = shared_expert_x.reshape(BS, H).to(torch.float32)
-    if special:
-        add = _special_experts(expert_ids, entry_active, expert_scales, M, zero_expert_num, copy_expert_num,
-                               const_expert_num, ori_x, const_expert_alpha_1, const_expert_alpha_2,
-                               const_expert_v, add, BS, H)
-    # Segment i of this rank's rows holds source rank owners[i]'s tokens.
-    seg_ids = torch.arange(W * L_here)
-    owners = torch.where(seg_ids < S, rank, seg_ids) if is_shared else seg_ids % W
+    with c.guard():
+        # The plan: for every token, where each of its rows lives (rank, segment, offset) and its weight.
+        idx = occurrence_index(routed.view(-1)) if v2 else expand_idx.to(torch.int64).view(-1)
+        e = routed.to(torch.int64)
+        valid = e >= 0
+        P = K + (1 if S > 0 else 0)
+        peer = torch.full((BS, P), -1, dtype=torch.int32)
+        seg = torch.zeros(BS, P, dtype=torch.int32)
+        off = torch.zeros(BS, P, dtype=torch.int64)
+        weight = torch.ones(BS, P, dtype=torch.float32)
+        e_safe = e.clamp(min=0)
+        peer[:, :K] = torch.where(valid, S + e_safe // L, -1).to(torch.int32)
+        seg[:, :K] = ((e_safe % L) * W + rank).to(torch.int32)
+        off[:, :K] = idx.view(BS, K)
+        if expert_scales is not None:
+            weight[:, :K] = expert_scales.to(torch.float32)
+        if S > 0:
+            # The shared-expert row: on a shared rank its own token (chunked by its own split), on
+            # a routed-expert rank the token's chunk at shared rank `chunk`.
+            tok = torch.arange(BS)
+            bounds = torch.tensor([shared_chunk_lo(rank, cc, BS, S) for cc in range(S + 1)])
+            chunk = torch.searchsorted(bounds, tok, right=True) - 1
+            act = token_active.to(torch.int64)
+            before = torch.cumsum(act, 0) - act  # active tokens before t
+            at_chunk_start = before.new_tensor([int(act[:bounds[cc]].sum()) for cc in range(S)])
+            peer[:, K] = torch.where(token_active, rank if is_shared else chunk, -1).to(torch.int32)
+            seg[:, K] = (chunk if is_shared else torch.full_like(chunk, rank)).to(torch.int32)
+            off[:, K] = before - at_chunk_start[chunk]
+        add = None
+        if shared_expert_x is not None:
+            add = shared_expert_x.reshape(BS, H).to(torch.float32)
+        if special:
+            add = _special_experts(expert_ids, entry_active, expert_scales, M, zero_expert_num, copy_expert_num,
+                                   const_expert_num, ori_x, const_expert_alpha_1, const_expert_alpha_2,
+                                   const_expert_v, add, BS, H)
+        # Segment i of this rank's rows holds source rank owners[i]'s tokens.
+        seg_ids = torch.arange(W * L_here)
+        owners = torch.where(seg_ids < S, rank, seg_ids) if is_shared else seg_ids % W
+    if c.error:
+        _fail_collectively(backend, op, c.error, combine=True)
     out = backend.moe_empty([BS, H], expand_x.dtype)
     backend.moe_combine(
         rows=rows.contiguous(), segments=segments_table(own, owners), quant=comm_quant_mode == 2,
@@ -496,7 +513,8 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
     special experts: zero adds nothing, copy adds ``w * ori_x``, const ``c`` adds
     ``w * (alpha_1[c] * ori_x + alpha_2[c] * v[c])``."""
     if elastic_info is not None:
-        raise ValueError("cam moe_distribute_combine_v2: elastic_info (elastic EP shrink) is not supported")
+        _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_combine_v2",
+                           "elastic_info (elastic EP shrink) is not supported", combine=True)
     return _combine("moe_distribute_combine_v2", expand_x, expert_ids, assist_info_for_combine,
                     ep_send_counts, expert_scales, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
                     tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
