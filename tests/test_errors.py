@@ -22,9 +22,8 @@ class CamErrorsTest(MultiProcContinuousTest):
     def backend_str(cls):
         return "cam"
 
-    @classmethod
-    def device_type(cls):
-        return "cpu"
+    # A string, not a method: torch's TestCase.assertRaisesRegex ignores the regex otherwise.
+    device_type = "cpu"
 
     def assert_group_usable(self):
         want = make(1000, torch.float32, seed=1)
@@ -57,22 +56,29 @@ class CamErrorsTest(MultiProcContinuousTest):
         recv = {0: [1, 1, 0], 1: [1, 1, 1], 2: [1, 1, 1]}[self.rank]
         inp = torch.zeros(sum(send), 2)
         out = torch.zeros(sum(recv), 2)
-        with self.assertRaisesRegex(RuntimeError, r"rank 0 sends 16 bytes of Float to (this rank|rank 1) but "
-                                                  r"(this rank|rank 1) expects 8 bytes of Float from rank 0"):
+        with self.assertRaisesRegex(RuntimeError, r"(this rank|rank 0) sends 16 bytes of Float to (this rank|rank 1) but "
+                                                  r"(this rank|rank 1) expects 8 bytes of Float from (this rank|rank 0)"):
             dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send)
         self.assert_group_usable()
 
     def test_all_to_all_local_split_errors(self):
-        # Raised on the calling rank before anything is queued: the others never enter.
-        if self.rank == 1:
-            with self.assertRaisesRegex(RuntimeError, r"cam all_to_all_single on rank 1: input_split_sizes add up to 5 "
-                                                      r"but the input tensor has 6 rows"):
-                dist.all_to_all_single(torch.zeros(6), torch.zeros(6), [2, 2, 2], [1, 2, 2])
-            with self.assertRaisesRegex(RuntimeError, r"input tensor has 7 rows along dim 0, which does not split evenly over 3"):
-                dist.all_to_all_single(torch.zeros(7), torch.zeros(7))
-            with self.assertRaisesRegex(RuntimeError, r"input is Float but output is Long"):
-                be = torch_cam.get_cam_backend()
-                be.alltoall_base(torch.zeros(3, dtype=torch.long), torch.zeros(3), [], [], dist.AllToAllOptions())
+        # Rank 1's own checks refuse its arguments while the others pass good ones: rank 1 raises
+        # at once, and so does every other rank, naming rank 1 and its reason.
+        def expect(reason, bad_call, good_call):
+            pattern = (r"cam all_to_all_single \(seq \d+\) on rank 1: " if self.rank == 1 else
+                       r"cam all_to_all_single \(seq \d+\) on rank %d: rank 1 refused its arguments: " % self.rank)
+            with self.assertRaisesRegex(RuntimeError, pattern + reason):
+                bad_call() if self.rank == 1 else good_call()
+
+        good = lambda: dist.all_to_all_single(torch.zeros(6), torch.zeros(6))  # noqa: E731
+        expect(r"input_split_sizes add up to 5 but the input tensor has 6 rows",
+               lambda: dist.all_to_all_single(torch.zeros(6), torch.zeros(6), [2, 2, 2], [1, 2, 2]), good)
+        expect(r"the input tensor has 7 rows along dim 0, which does not split evenly over 3",
+               lambda: dist.all_to_all_single(torch.zeros(7), torch.zeros(7)), good)
+        be = torch_cam.get_cam_backend()
+        expect(r"input is Float but output is Long",
+               lambda: be.alltoall_base(torch.zeros(3, dtype=torch.long), torch.zeros(3), [], [], dist.AllToAllOptions()),
+               lambda: be.alltoall_base(torch.zeros(3), torch.zeros(3), [], [], dist.AllToAllOptions()).wait())
         self.assert_group_usable()
 
     def test_send_recv_size_mismatch_fails_both_sides(self):
@@ -120,12 +126,12 @@ class CamErrorsTest(MultiProcContinuousTest):
             be.recv([torch.zeros(1)], -2, 0)
         with self.assertRaisesRegex(RuntimeError, r"cam send on rank (\d): a rank cannot send to itself"):
             be.send([torch.zeros(1)], self.rank, 0)
-        with self.assertRaisesRegex(RuntimeError, r"cam broadcast on rank \d: expected a CPU tensor, got one on meta"):
+        with self.assertRaisesRegex(RuntimeError, r"cam broadcast \(seq \d+\) on rank \d: expected a CPU tensor, got one on meta"):
             opts = dist.BroadcastOptions()
             be.broadcast([torch.zeros(2, device="meta")], opts)
         with self.assertRaisesRegex(RuntimeError, r"expected a dense tensor, got layout Sparse"):
             be.broadcast([torch.zeros(2).to_sparse()], dist.BroadcastOptions())
-        with self.assertRaisesRegex(RuntimeError, r"cam broadcast on rank \d: root rank 5 is out of range"):
+        with self.assertRaisesRegex(RuntimeError, r"cam broadcast \(seq \d+\) on rank \d: root rank 5 is out of range"):
             opts = dist.BroadcastOptions()
             opts.rootRank = 5
             be.broadcast([torch.zeros(2)], opts)

@@ -203,7 +203,7 @@ class InitFailureTest(unittest.TestCase):
         results = run_ranks(_init_only, 2, {"window_bytes": too_big}, deadline_s=60)
         for rank in (0, 1):
             msg = results[rank][1]
-            self.assertRegex(msg, r"cam init on rank \d: the window needs [\d.]+ MiB of shared memory but "
+            self.assertRegex(msg, r"cam init of group .* on rank \d: the window needs [\d.]+ MiB of shared memory but "
                                   r"/dev/shm has only [\d.]+ MiB free")
         self.assertEqual(cam_segments(), [])
 
