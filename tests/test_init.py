@@ -83,6 +83,34 @@ def _one_rank_cannot_create_its_window(rank, world_size, init_file, subgroup):
         return f"{type(e).__name__}: {e}", time.monotonic() - start
 
 
+def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
+    import time
+    import torch_cam  # noqa: F401
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        os.environ["TORCH_CAM_WINDOW_BYTES"] = str(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+                                                   + (64 << 20))
+        try:
+            dist.init_process_group("cam", store=store, rank=rank, world_size=world_size)
+        finally:
+            store.set("rank1_done", "1")
+            os._exit(1)
+    store.wait(["rank1_done"])
+    time.sleep(1.0)  # rank 1 is gone by now
+    start = time.monotonic()
+    try:
+        dist.init_process_group("cam", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+        result = "no error", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001
+        result = f"{type(e).__name__}: {e}", time.monotonic() - start
+    store.set(f"rank{rank}_done", "1")
+    if rank == 0:
+        store.wait(["rank2_done"])  # rank 0 hosts the store: keep it up until rank 2 has read it
+    return result
+
+
 class InitFailureTest(unittest.TestCase):
     """A rank that cannot create its window publishes why: every peer raises at once with that
     reason (not at the group timeout), naming the group, and nothing is left in /dev/shm."""
@@ -101,6 +129,17 @@ class InitFailureTest(unittest.TestCase):
 
     def test_world_group(self):
         self.check(False, "'0' (global ranks all)")
+
+    def test_failure_record_outlives_its_rank(self):
+        # Rank 1 fails and exits before the others even look: its record still says why (a
+        # record is waited past as stale only when it is not a failure).
+        port = _free_port()
+        results = run_ranks(_failed_rank_gone_before_peers_look, 3, port, deadline_s=90, allow_died=(1,))
+        for r in (0, 2):
+            status, (msg, elapsed) = results[r]
+            self.assertEqual(status, "ok")
+            self.assertLess(elapsed, 10, f"rank {r} raised only after {elapsed:.1f} s: {msg}")
+            self.assertIn("rank 1 could not set up its window: ", msg)
 
     def test_subgroup(self):
         self.check(True, r"'1' (global ranks [0, 1, 2])")

@@ -62,6 +62,19 @@ bool proc_stat(int64_t pid, char* state, uint64_t* start_time) {
 
 bool pid_gone(int64_t pid) { return kill(pid_t(pid), 0) != 0 && errno == ESRCH; }
 
+// Why the process that published (pid, start_time) is gone, or "" while it runs: the one
+// liveness test of this transport (a zombie or a reused pid counts as gone).
+std::string process_gone(int64_t pid, uint64_t start_time) {
+  if (pid_gone(pid)) return "process " + std::to_string(pid) + " no longer exists";
+  char state = 0;
+  uint64_t start = 0;
+  if (proc_stat(pid, &state, &start)) {
+    if (state == 'Z' || state == 'X') return "process " + std::to_string(pid) + " has exited";
+    if (start_time != 0 && start != start_time) return "process " + std::to_string(pid) + " exited (its pid was reused)";
+  }
+  return "";
+}
+
 std::string random_hex() {
   std::random_device rd;
   std::ostringstream os;
@@ -78,10 +91,10 @@ std::string mib(double bytes) {
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
-// The restart attempt of this process's job: torchrun's count, or "0" outside torchrun.
 std::string window_key(int r) { return "cam/window/" + std::to_string(r); }
 std::string mapped_key(int r) { return "cam/mapped/" + std::to_string(r); }
 
+// The restart attempt of this process's job: torchrun's count, or "0" outside torchrun.
 std::string restart_attempt() {
   const char* c = std::getenv("TORCHELASTIC_RESTART_COUNT");
   return c && *c ? c : "0";
@@ -190,8 +203,9 @@ std::string ShmHeap::current_record(const c10::intrusive_ptr<c10d::Store>& store
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     try {
       store->wait({key}, std::max(left, std::chrono::milliseconds(1)));
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, where_, ": rank ", r, " did not ", what, " within the group timeout: ", e.what());
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, where_, ": rank ", r, " did not ", what, " within the group timeout: ",
+                  e.what_without_backtrace());
     }
     const auto bytes = store->get(key);
     std::string value(bytes.begin(), bytes.end());
@@ -231,7 +245,8 @@ void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chro
     auto record = current_record(store, window_key(r), r, deadline, "publish its window", [&](const std::string& v) {
       PeerInfo p = deserialize(to_bytes(v));
       if (p.attempt != me.attempt) return str("it is of restart attempt ", p.attempt, ", this rank's is ", me.attempt);
-      if (p.host == me.host && pid_gone(p.pid)) return str("its process ", p.pid, " is gone");
+      // A failure record stays meaningful after its owner exits (it may exit right after).
+      if (p.failure.empty() && p.host == me.host) return process_gone(p.pid, p.start_time);
       return std::string();
     });
     peers_[r] = deserialize(to_bytes(record));
@@ -356,18 +371,7 @@ void ShmHeap::read_peer(int r, void* local, uint64_t remote_addr, size_t n) cons
   }
 }
 
-std::string ShmHeap::peer_failure(int r) const {
-  const PeerInfo& p = peers_[r];
-  if (pid_gone(p.pid)) return "process " + std::to_string(p.pid) + " no longer exists";
-  char state = 0;
-  uint64_t start = 0;
-  if (proc_stat(p.pid, &state, &start)) {
-    if (state == 'Z' || state == 'X') return "process " + std::to_string(p.pid) + " has exited";
-    if (p.start_time != 0 && start != p.start_time)
-      return "process " + std::to_string(p.pid) + " exited (its pid was reused)";
-  }
-  return "";
-}
+std::string ShmHeap::peer_failure(int r) const { return process_gone(peers_[r].pid, peers_[r].start_time); }
 
 void ShmHeap::unmap_all() {
   for (int r = 0; r < world_; ++r) {
