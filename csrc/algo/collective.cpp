@@ -73,8 +73,10 @@ void CollectiveOp::check_descriptors(Context& ctx) {
     TORCH_INTERNAL_ASSERT(descs[r]->seq == seq(), where(ctx.rank), ": rank ", r,
                           " descriptor slot holds seq ", descs[r]->seq);
   }
-  check_peer_descriptor(ctx, ctx.rank, descs[ctx.rank]);  // its own reason, if it refused
-  for (int r = 0; r < ctx.world; ++r) check_peer_descriptor(ctx, r, descs[r]);
+  check_peer_descriptor(ctx, ctx.rank, descs[ctx.rank]);  // its own reason first, if it refused
+  for (int r = 0; r < ctx.world; ++r) {
+    if (r != ctx.rank) check_peer_descriptor(ctx, r, descs[r]);
+  }
   validate(ctx, descs);
 }
 
