@@ -22,6 +22,8 @@ as ``kv_reference.reference_transfer`` does, and tests compare the two bit for b
 from __future__ import annotations
 
 import datetime
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,12 @@ class KVWork:
         return self._work.get_future()
 
 
+@torch.compiler.assume_constant_result
+def _request_id_text(request_id) -> str:
+    """A request id as the op's schema carries it (a str of the same bytes)."""
+    return bytes(request_id).decode("latin-1")
+
+
 class KVTransfer:
     """Paged-KV transfer over a cam group (see the module docstring). Constructing it is
     collective over ``group``; everything after is one-sided. ``timeout_s`` bounds every wait
@@ -145,6 +153,19 @@ class KVTransfer:
         offsets = [None] * self.world
         dist.all_gather_object(offsets, self._native.control_offset, group=self.group)
         self._native.connect(offsets)
+        self.handle = next(KVTransfer._handles)
+        KVTransfer._live[self.handle] = self
+
+    # torch.ops.torch_cam.kv_transfer names its transfer object by handle (an op takes no objects).
+    _handles = itertools.count(1)
+    _live: "weakref.WeakValueDictionary[int, KVTransfer]" = weakref.WeakValueDictionary()
+
+    @staticmethod
+    def _by_handle(handle: int) -> "KVTransfer":
+        t = KVTransfer._live.get(handle)
+        if t is None:
+            raise ValueError(f"cam kv_transfer: no live KVTransfer with handle {handle}")
+        return t
 
     # -- registration --
     def allocate(self, layout: KVLayout) -> list[torch.Tensor]:
@@ -200,6 +221,15 @@ class KVTransfer:
                               version, async_op)
 
     def _transfer(self, kind, peer, src_ids, dst_ids, num_tokens, layers, request_id, version, async_op) -> KVWork:
+        if torch.compiler.is_compiling():
+            # One graph node; it completes before the graph goes on (no Work crosses a graph).
+            if async_op:
+                raise ValueError("cam KVTransfer: async_op=True cannot be compiled; call it outside the graph")
+            torch.ops.torch_cam.kv_transfer(self.handle, kind, peer, torch.as_tensor(src_ids, dtype=torch.int64),
+                                            torch.as_tensor(dst_ids, dtype=torch.int64), num_tokens,
+                                            None if layers is None else list(layers),
+                                            _request_id_text(request_id), -1 if version is None else version)
+            return None
         job, work = self._native.transfer(kind, peer, src_ids, dst_ids, num_tokens, layers, bytes(request_id),
                                           -1 if version is None else version, async_op)
         w = KVWork(job, work)

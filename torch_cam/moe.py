@@ -39,6 +39,12 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 ASSIST_INTS_PER_ROW = 128
 
 
+def _ops():
+    """torch_cam.ops (imported late: it builds on this module)."""
+    from . import ops
+    return ops
+
+
 # ---- groups ------------------------------------------------------------------------------------
 
 def resolve_group(group) -> dist.ProcessGroup:
@@ -181,6 +187,18 @@ def _active_entries(c: _Checks, ids: torch.Tensor, mask, special: int, M: int):
 
 # ---- dispatch ----------------------------------------------------------------------------------
 
+def dispatch_geometry(W: int, rank: int, BS: int, K: int, M: int, S: int, global_bs: int):
+    """(is_shared, L_here, max_bs, A) of a dispatch on ``rank``: whether it holds the shared
+    expert, its local experts, the per-rank token bound and A, the rows ``expand_x`` has per TP
+    rank (the NPU's worst case: every token of every rank routed here). The one statement of
+    the output sizes: the dispatch and its fake kernel (torch_cam/ops.py) both use it."""
+    L = M // (W - S)
+    is_shared = rank < S
+    max_bs = global_bs // W if global_bs else BS
+    A = max_bs * W // S if is_shared else max_bs * W * min(L, K)
+    return is_shared, (1 if is_shared else L), max_bs, A
+
+
 def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert_num, *, scales,
               x_active_mask, expert_scales, group_tp, tp_world_size, tp_rank_id, expert_shard_type,
               shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
@@ -230,10 +248,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
     if c.error:
         _fail_collectively(backend, op, c.error)
 
-    is_shared = rank < S
-    L_here = 1 if is_shared else L
-    max_bs = global_bs // W if global_bs else BS
-    A = max_bs * W // S if is_shared else max_bs * W * min(L, K)
+    is_shared, L_here, max_bs, A = dispatch_geometry(W, rank, BS, K, M, S, global_bs)
     quant = quant_mode == 2
     expand_x = backend.moe_empty([T * A, H], torch.int8 if quant else x.dtype)
     dynamic_scales = backend.moe_empty([T * A], torch.float32) if quant else None
@@ -303,6 +318,12 @@ def moe_distribute_dispatch(x, expert_ids, group_ep, ep_world_size, ep_rank_id, 
     """``torch_npu.npu_moe_distribute_dispatch`` on a cam group. Returns ``(expand_x,
     dynamic_scales, expand_idx, expert_token_nums, ep_recv_counts, tp_recv_counts,
     expand_scales)``."""
+    if torch.compiler.is_compiling():
+        return _ops().dispatch_result(torch.ops.torch_cam.moe_distribute_dispatch(
+            x, expert_ids, _ops().group_name(group_ep), ep_world_size, ep_rank_id, moe_expert_num, scales,
+            x_active_mask, expert_scales, _ops().group_name(group_tp), tp_world_size, tp_rank_id,
+            expert_shard_type, shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
+            expert_token_nums_type), quant_mode, expert_scales)
     return _dispatch("moe_distribute_dispatch", x, expert_ids, group_ep, ep_world_size, ep_rank_id,
                      moe_expert_num, scales=scales, x_active_mask=x_active_mask,
                      expert_scales=expert_scales, group_tp=group_tp, tp_world_size=tp_world_size,
@@ -327,6 +348,13 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     if elastic_info is not None:
         _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_dispatch_v2",
                            "elastic_info (elastic EP shrink) is not supported")
+    if torch.compiler.is_compiling():
+        return _ops().dispatch_result(torch.ops.torch_cam.moe_distribute_dispatch_v2(
+            x, expert_ids, _ops().group_name(group_ep), ep_world_size, ep_rank_id, moe_expert_num, scales,
+            x_active_mask, expert_scales, _ops().performance_info_or_scratch(performance_info, ep_world_size), _ops().group_name(group_tp), tp_world_size,
+            tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
+            expert_token_nums_type, zero_expert_num, copy_expert_num, const_expert_num),
+            quant_mode, expert_scales)
     special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
     return _dispatch("moe_distribute_dispatch_v2", x, expert_ids, group_ep, ep_world_size, ep_rank_id,
                      moe_expert_num, scales=scales, x_active_mask=x_active_mask,
@@ -490,6 +518,12 @@ def moe_distribute_combine(expand_x, expert_ids, expand_idx, ep_send_counts, exp
     its experts of ``expert_scales * expert output`` (fp32), plus the shared-expert rank's row
     and ``shared_expert_x`` unweighted. ``activation_scale``, ``weight_scale``, ``group_list``,
     ``out_dtype`` and ``group_list_type`` are reserved on NPU and ignored here too."""
+    if torch.compiler.is_compiling():
+        return torch.ops.torch_cam.moe_distribute_combine(
+            expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, _ops().group_name(group_ep),
+            ep_world_size, ep_rank_id, moe_expert_num, tp_send_counts, x_active_mask, shared_expert_x,
+            _ops().group_name(group_tp), tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
+            shared_expert_rank_num, global_bs, comm_quant_mode)
     return _combine("moe_distribute_combine", expand_x, expert_ids, expand_idx, ep_send_counts,
                     expert_scales, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
                     tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
@@ -515,6 +549,14 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
     if elastic_info is not None:
         _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_combine_v2",
                            "elastic_info (elastic EP shrink) is not supported", combine=True)
+    if torch.compiler.is_compiling():
+        return torch.ops.torch_cam.moe_distribute_combine_v2(
+            expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales,
+            _ops().group_name(group_ep), ep_world_size, ep_rank_id, moe_expert_num, tp_send_counts,
+            x_active_mask, shared_expert_x, ori_x, const_expert_alpha_1, const_expert_alpha_2, const_expert_v,
+            _ops().performance_info_or_scratch(performance_info, ep_world_size), _ops().group_name(group_tp), tp_world_size, tp_rank_id, expert_shard_type,
+            shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode, zero_expert_num,
+            copy_expert_num, const_expert_num)
     return _combine("moe_distribute_combine_v2", expand_x, expert_ids, assist_info_for_combine,
                     ep_send_counts, expert_scales, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
                     tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
