@@ -16,7 +16,7 @@ run 900 tests/test_moe_reference.py tests/test_moe.py tests/test_moe_buffer.py
 run 600 tests/test_kv_reference.py tests/test_kv_copy.py tests/test_kv.py
 run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py
 run 600 tests/test_fuzz_args.py
-run 600 tests/test_compile.py
+run 600 tests/test_compile.py tests/test_flight_recorder.py
 run 1200 tests/integration
 if [ -f tests/dist_suite/run_dist_suite.py ]; then
   run 900 tests/dist_suite/run_dist_suite.py

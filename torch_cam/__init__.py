@@ -11,6 +11,7 @@ from . import _C
 from .config import Options
 from .backend import BACKEND_NAME, create_backend, get_cam_backend
 from .direct import all_reduce_
+from .flight_recorder import dump_flight_recorder, flight_recorder
 from .heap import empty, is_heap_tensor, zeros
 from .monitored import monitored_barrier
 from .moe_buffer import Buffer, EventOverlap
@@ -20,7 +21,8 @@ from .moe import (moe_combine_shmem, moe_dispatch_shmem, moe_distribute_combine,
                   moe_distribute_combine_v2, moe_distribute_dispatch, moe_distribute_dispatch_v2)
 
 __all__ = ["Options", "BACKEND_NAME", "get_cam_backend", "empty", "zeros", "is_heap_tensor",
-           "monitored_barrier", "all_reduce_", "moe_distribute_dispatch", "moe_distribute_combine",
+           "monitored_barrier", "all_reduce_",
+           "dump_flight_recorder", "flight_recorder", "moe_distribute_dispatch", "moe_distribute_combine",
            "moe_distribute_dispatch_v2", "moe_distribute_combine_v2", "moe_dispatch_shmem",
            "moe_combine_shmem", "Buffer", "EventOverlap", "__version__"]
 __version__ = "0.1.0"

@@ -25,6 +25,9 @@ def _describe_group(dist_backend_opts) -> str:
 
 def create_backend(dist_backend_opts, pg_options):
     opts = Options.from_env().merged(pg_options)
+    # Flight-recorder dumps are named by global rank; torch creates the default group (whose
+    # rank is the global one) before dist.get_rank() works.
+    _C.set_trace_rank(dist.get_rank() if dist.is_initialized() else dist_backend_opts.group_rank)
     backend = _C.CamBackend(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,

@@ -51,6 +51,15 @@ class Options:
     #: Poll interval of the background progress thread for ops nobody waits on.
     progress_interval_us: int = 500
 
+    #: What the group logs to stderr: "error", "warn", "info" (at init: what the group chose)
+    #: or "debug" (also every op's issue and completion).
+    log_level: str = "warn"
+    #: Ops each group's flight recorder keeps for dumps (0: none).
+    flight_recorder_entries: int = 2000
+    #: When a group fails (timeout, dead or failed peer) each rank writes its flight recorder
+    #: to ``<flight_recorder_path><global rank>.json``; "" writes nothing.
+    flight_recorder_path: str = "/tmp/torch_cam_trace_rank_"
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Options":
         environ = os.environ if environ is None else environ

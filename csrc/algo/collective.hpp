@@ -137,6 +137,7 @@ class BroadcastOp final : public CollectiveOp {
  public:
   BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, bool is_root, at::Tensor tensor);
   void finalize() override;
+  int trace_peer() const override { return root_; }
 
  protected:
   void fill_desc(Context& ctx, CollDesc* d) override;

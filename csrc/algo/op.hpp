@@ -92,6 +92,13 @@ class Op {
 
   // "cam broadcast (seq 4) on rank 1" — prefix of every message about this op.
   std::string where(int rank) const { return str("cam ", name_, " (seq ", seq_, ") on rank ", rank); }
+  // The one peer the op involves (p2p, a rooted collective's root); -1: every rank.
+  virtual int trace_peer() const { return -1; }
+  // The op's flight-recorder entry (0: none) and how far the record has followed it (the
+  // engine's, under its drive lock or once the op is done).
+  uint64_t trace_id = 0;
+  bool trace_started = false, trace_finished = false;
+
   // Why the op is not done yet, for timeout messages.
   virtual std::string waiting_for() const {
     return wait_peer_ < 0 ? std::string("its turn in the group's op queue")

@@ -52,6 +52,7 @@ class SendOp final : public Op {
     waiting(peer, written < framed_bytes() ? "outbox space" : "a matching recv");
   }
   void finish_ok() { mark_done(); }
+  int trace_peer() const override { return dst; }
   int dst, tag, dtype;
   at::Tensor buf;
   int64_t nbytes;
@@ -69,6 +70,7 @@ class RecvOp final : public Op {
   void matched(int src) { source_rank_ = src; }
   void complete() { mark_done(); }
   void await(int peer, const char* what) { waiting(peer, what); }
+  int trace_peer() const override { return src; }
   int src, tag, dtype;  // src < 0: any source
   at::Tensor user, buf;
   int64_t nbytes;

@@ -62,6 +62,7 @@ class RoundsOp final : public CollectiveOp {
  public:
   RoundsOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, RoundsArgs args);
   void finalize() override;
+  int trace_peer() const override { return root_only() ? a_.root : -1; }
 
  protected:
   void fill_desc(Context& ctx, CollDesc* d) override;

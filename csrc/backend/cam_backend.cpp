@@ -18,12 +18,44 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   // More ranks than usable CPUs: a rank that pause-spins may be holding the very core the
   // peer it waits for needs, so go straight to yielding.
   cpu_set_t cpus;
-  if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0 && size > CPU_COUNT(&cpus)) cfg.spin_us = 0;
+  const int ncpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+  if (ncpus > 0 && size > ncpus) cfg.spin_us = 0;
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
                       cfg.tensor_heap_bytes, cfg.eager_max_bytes);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout, group_desc);
   output_pool_ = std::make_shared<OutputPool>(cfg.moe_output_cache_bytes);
-  engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg));
+  engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg),
+                                     FlightRecorder::Group{group_id_, group_desc, rank, size});
+  if (engine_->config().log_level >= LogLevel::kInfo) log_init(ncpus);
+}
+
+void CamBackend::log_init(int ncpus) const {
+  const CamConfig& c = engine_->config();
+  const WindowLayout& L = engine_->heap().layout();
+  log_line(LogLevel::kInfo, engine_->who(),
+           str("rank ", rank_, " of ", size_, "; transport: shared memory to all ", size_ - 1,
+               " peers (one host), windows mapped; direct read (process_vm_readv) ",
+               direct_read_available() ? "available" : "unavailable",
+               c.single_copy_bytes > 0 ? str(", used from ", c.single_copy_bytes, " B") : std::string(", off")));
+  log_line(LogLevel::kInfo, engine_->who(),
+           str("window ", L.total_bytes(), " B per rank (", window_bytes_mapped(), " B mapped): p2p outbox ",
+               c.p2p_ring_bytes(size_), " B per peer, collective region ", c.coll_region_bytes(size_),
+               " B; tensor heap ", c.tensor_heap_bytes, " B of address space; MoE output cache ",
+               c.moe_output_cache_bytes, " B"));
+  log_line(LogLevel::kInfo, engine_->who(),
+           str("thresholds: chunk_bytes ", c.chunk_bytes, ", eager_max_bytes ", c.eager_max_bytes,
+               ", one_shot_max_bytes ", c.one_shot_max_bytes, ", allreduce_algo ", allreduce_algo_name(c.allreduce_algo)));
+  log_line(LogLevel::kInfo, engine_->who(),
+           str("wait policy: spin ", c.spin_us, " us", c.spin_us == 0 && ncpus > 0 && size_ > ncpus
+                                                          ? str(" (", size_, " ranks > ", ncpus, " usable CPUs)")
+                                                          : std::string(),
+               ", yield until ", c.yield_us, " us, sleeps up to ", c.sleep_max_us, " us; liveness every ",
+               c.liveness_interval_ms, " ms; progress thread polls every ", c.progress_interval_us,
+               " us; usable CPUs ", ncpus, "; timeout ", c.timeout.count(), " ms"));
+  log_line(LogLevel::kInfo, engine_->who(),
+           str("flight recorder: ", c.flight_recorder_entries, " entries",
+               c.flight_recorder_path.empty() ? std::string(", no automatic dump")
+                                              : ", dumped on failure to " + c.flight_recorder_path + "<rank>.json"));
 }
 
 CamBackend::~CamBackend() { engine_->shutdown(); }
@@ -108,8 +140,8 @@ void CamBackend::check_peer(int peer, const char* role) const {
 
 c10::intrusive_ptr<c10d::Work> CamBackend::launch(std::shared_ptr<Op> op, c10d::OpType type,
                                                   const char* title, std::vector<at::Tensor> inputs) {
+  engine_->submit(op, &inputs);
   auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-  engine_->submit(std::move(op));
   std::lock_guard<std::mutex> lk(issue_mu_);
   if (coalescing_) coalesced_.push_back(work);
   return work;

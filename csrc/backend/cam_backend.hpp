@@ -131,6 +131,8 @@ class CamBackend : public c10d::Backend {
   at::Tensor moe_empty(at::IntArrayRef sizes, at::ScalarType dtype) { return output_pool_->empty(sizes, dtype); }
 
  private:
+  // At log level info: what the group chose (transport, sizes, thresholds, wait policy).
+  void log_init(int ncpus) const;
   Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
   const at::Tensor& single_tensor(std::vector<at::Tensor>& tensors) const;
   void check_tensor(const at::Tensor& t, const char* what = "tensor") const;
@@ -196,8 +198,8 @@ inline c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make,
     std::lock_guard<std::mutex> lk(issue_mu_);
     op = make(coll_seq_ + 1);
     ++coll_seq_;
+    engine_->submit(op, &inputs);
     work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-    engine_->submit(op);
     if (coalescing_) coalesced_.push_back(work);
   }
   return work;

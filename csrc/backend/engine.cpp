@@ -6,9 +6,11 @@
 
 namespace cam {
 
-Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg)
+Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg, FlightRecorder::Group group)
     : heap_(std::move(heap)), cfg_(std::move(cfg)),
       ctx_{*heap_, cfg_, heap_->layout(), heap_->rank(), heap_->world_size(), heap_->base(heap_->rank()), stats_},
+      recorder_(FlightRecorder::create(group, cfg_.flight_recorder_entries)),
+      who_(str("group ", group.desc, " rank ", group.rank)),
       p2p_(heap_->world_size()), next_liveness_check_(Clock::now()) {
   thread_ = std::thread([this] { progress_thread_main(); });
 }
@@ -37,12 +39,29 @@ void Engine::stop_thread() {
   {
     std::lock_guard<std::mutex> lk(drive_mu_);
     absorb_incoming(finished);
-    if (!pending_.empty()) fail_all("the process group was shut down", finished);
+    if (!pending_.empty()) fail_all("the process group was shut down", finished, /*dump=*/false);
   }
   complete(finished);
 }
 
-void Engine::submit(std::shared_ptr<Op> op) {
+void Engine::submit(std::shared_ptr<Op> op, const std::vector<at::Tensor>* tensors) {
+  if (recorder_->enabled()) {
+    const char* kind = op->is_collective() ? "collective"
+                       : (dynamic_cast<SendOp*>(op.get()) || dynamic_cast<RecvOp*>(op.get())) ? "p2p"
+                                                                                            : "one-sided";
+    op->trace_id = recorder_->issued(op->name(), kind, op->seq(), op->trace_peer(), tensors);
+    // Collectives start when they reach the head of the queue; the others progress at once.
+    if (!op->is_collective()) {
+      op->trace_started = true;
+      recorder_->started(op->trace_id);
+    }
+  }
+  if (cfg_.log_level >= LogLevel::kDebug) {
+    log_line(LogLevel::kDebug, who_, str("issue ", op->name(), " seq ", op->seq(), " peer ", op->trace_peer(),
+                                         tensors && !tensors->empty() && (*tensors)[0].defined()
+                                             ? cam::str(" ", (*tensors)[0].scalar_type(), (*tensors)[0].sizes())
+                                             : std::string()));
+  }
   active_.fetch_add(1);
   {
     std::lock_guard<std::mutex> lk(submit_mu_);
@@ -120,6 +139,10 @@ bool Engine::drive_once(Finished& finished) {
   try {
     while (!collectives_.empty()) {
       auto& op = collectives_.front();
+      if (!op->trace_started) {
+        op->trace_started = true;
+        recorder_->started(op->trace_id);
+      }
       try {
         progress |= op->step(ctx_);
       } catch (const ValidationError&) {
@@ -187,8 +210,9 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
   }
 }
 
-void Engine::fail_all(const std::string& why, Finished& finished) {
-  if (fatal_.empty()) fatal_ = why;
+void Engine::fail_all(const std::string& why, Finished& finished, bool dump) {
+  const bool first = fatal_.empty();
+  if (first) fatal_ = why;
   failed_.store(true);
   // Tell the peers, so that whoever waits on this rank fails now rather than at its timeout.
   ErrorReport* rep = ctx_.L.error(ctx_.me);
@@ -198,7 +222,18 @@ void Engine::fail_all(const std::string& why, Finished& finished) {
   }
   for (auto& op : pending_) {
     if (!op->done()) op->fail(std::make_exception_ptr(FatalError(why)));
+    record_finished(*op, op->error());
     finished.push_back(op);
+  }
+  if (first && dump && cfg_.log_level >= LogLevel::kWarn) log_line(LogLevel::kWarn, who_, "failed: " + why);
+  if (first && dump && recorder_->enabled() && !cfg_.flight_recorder_path.empty()) {
+    const int rank = FlightRecorder::process_rank() >= 0 ? FlightRecorder::process_rank() : ctx_.rank;
+    const std::string path = str(cfg_.flight_recorder_path, rank, ".json");
+    const std::string err = FlightRecorder::dump_to(path, why);
+    if (cfg_.log_level >= LogLevel::kWarn) {
+      log_line(LogLevel::kWarn, who_, err.empty() ? "flight recorder written to " + path
+                                                  : "flight recorder not written: " + err);
+    }
   }
   pending_.clear();
   collectives_.clear();
@@ -210,11 +245,20 @@ void Engine::complete(Finished& finished) {
   if (finished.empty()) return;
   for (auto& op : finished) {
     if (op->future()->completed()) continue;
-    if (op->error()) {
-      op->future()->setError(op->error());
-    } else {
+    std::exception_ptr error = op->error();
+    if (!error) {
       try {
         op->finalize();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    // Recorded before the future completes: whoever wakes from wait() sees the op finished.
+    record_finished(*op, error);
+    if (error) {
+      op->future()->setError(error);
+    } else {
+      try {
         op->future()->markCompleted(c10::IValue(op->outputs()));
       } catch (...) {
         op->future()->setError(std::current_exception());
@@ -223,6 +267,29 @@ void Engine::complete(Finished& finished) {
     active_.fetch_sub(1);
   }
   finished.clear();
+}
+
+void Engine::record_finished(Op& op, const std::exception_ptr& error) {
+  const bool debug = cfg_.log_level >= LogLevel::kDebug;
+  if (op.trace_finished || (op.trace_id == 0 && !debug)) return;
+  op.trace_finished = true;
+  std::string text;
+  if (error) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const c10::Error& e) {
+      text = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      text = e.what();
+    } catch (...) {
+      text = "unknown error";
+    }
+  }
+  recorder_->finished(op.trace_id, error ? text.c_str() : nullptr);
+  if (debug) {
+    log_line(LogLevel::kDebug, who_, str(error ? "failed " : "done ", op.name(), " seq ", op.seq(),
+                                         error ? ": " + text : std::string()));
+  }
 }
 
 void Engine::wake_progress_thread() {

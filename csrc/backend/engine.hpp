@@ -20,6 +20,7 @@
 
 #include "../algo/p2p.hpp"
 #include "../core/config.hpp"
+#include "../core/flight_recorder.hpp"
 #include "../transport/heap.hpp"
 #include "../transport/wait_policy.hpp"
 
@@ -27,12 +28,14 @@ namespace cam {
 
 class Engine {
  public:
-  Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg);
+  // group: how the flight recorder and log lines name the group.
+  Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg, FlightRecorder::Group group);
   ~Engine();
   void shutdown();
 
   // Queues the op and makes one non-blocking progress attempt. Never blocks on peers.
-  void submit(std::shared_ptr<Op> op);
+  // `tensors`: what the flight recorder notes of the op's data (sizes, dtype).
+  void submit(std::shared_ptr<Op> op, const std::vector<at::Tensor>* tensors = nullptr);
   // Drives progress until the op is done or timeout (0: none beyond the op's deadline)
   // expires. Returns false on timeout.
   bool wait(const Op& op, std::chrono::milliseconds timeout);
@@ -42,6 +45,8 @@ class Engine {
   SymmetricHeap& heap() { return *heap_; }
   const CamConfig& config() const { return cfg_; }
   const Stats& stats() const { return stats_; }
+  // "group '0' (global ranks all) rank 1": how log lines name this rank of the group.
+  const std::string& who() const { return who_; }
 
  private:
   using Finished = std::vector<std::shared_ptr<Op>>;
@@ -49,7 +54,10 @@ class Engine {
   bool drive_and_complete();
   void absorb_incoming(Finished& finished);
   void check_deadlines_and_peers(Finished& finished);
-  void fail_all(const std::string& why, Finished& finished);
+  // Fails every pending op with `why` and tells the peers; `dump`: also write the flight
+  // recorder (a timeout or a peer's failure, not a shutdown).
+  void fail_all(const std::string& why, Finished& finished, bool dump = true);
+  void record_finished(Op& op, const std::exception_ptr& error);
   void complete(Finished& finished);
   void progress_thread_main();
   void stop_thread();
@@ -59,6 +67,8 @@ class Engine {
   CamConfig cfg_;
   Stats stats_;
   Context ctx_;
+  std::shared_ptr<FlightRecorder> recorder_;
+  std::string who_;
 
   std::mutex submit_mu_;  // guards incoming_
   std::vector<std::shared_ptr<Op>> incoming_;

@@ -7,6 +7,10 @@
 
 namespace cam {
 
+const char* allreduce_algo_name(AllReduceAlgo a) {
+  return a == AllReduceAlgo::kAuto ? "auto" : a == AllReduceAlgo::kOneShot ? "one_shot" : "two_shot";
+}
+
 CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
                               std::chrono::milliseconds timeout) {
   CamConfig c;
@@ -41,6 +45,9 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
       else TORCH_CHECK(false, "cam option allreduce_algo: expected auto, one_shot or two_shot, got '", value, "'");
     }
     else if (key == "p2p_fraction") c.p2p_fraction = std::stod(value);
+    else if (key == "log_level") c.log_level = parse_log_level(value);
+    else if (key == "flight_recorder_entries") c.flight_recorder_entries = as_int();
+    else if (key == "flight_recorder_path") c.flight_recorder_path = value;
     else TORCH_CHECK(false, "cam: unknown option '", key, "'");
   }
   return c;
@@ -88,6 +95,9 @@ void CamConfig::validate(int world_size) const {
               spin_us, " yield_us=", yield_us, " sleep_max_us=", sleep_max_us);
   TORCH_CHECK(liveness_interval_ms >= 1 && progress_interval_us >= 10,
               "cam options: liveness_interval_ms must be >= 1 and progress_interval_us >= 10");
+  TORCH_CHECK(flight_recorder_entries >= 0 && flight_recorder_entries <= (1 << 24),
+              "cam option flight_recorder_entries: expected 0..16777216 (0 disables), got ",
+              flight_recorder_entries);
   TORCH_CHECK(timeout.count() > 0, "cam: the group timeout must be positive");
 }
 
@@ -97,11 +107,12 @@ std::string CamConfig::to_string() const {
      << " chunk_bytes=" << chunk_bytes << " single_copy_bytes=" << single_copy_bytes
      << " tensor_heap_bytes=" << tensor_heap_bytes << " eager_max_bytes=" << eager_max_bytes << " one_shot_max_bytes=" << one_shot_max_bytes
      << " moe_output_cache_bytes=" << moe_output_cache_bytes << " allreduce_algo="
-     << (allreduce_algo == AllReduceAlgo::kAuto ? "auto"
-         : allreduce_algo == AllReduceAlgo::kOneShot ? "one_shot" : "two_shot")
+     << allreduce_algo_name(allreduce_algo)
      << " spin_us=" << spin_us << " yield_us=" << yield_us
      << " sleep_max_us=" << sleep_max_us << " liveness_interval_ms=" << liveness_interval_ms
-     << " progress_interval_us=" << progress_interval_us << " timeout_ms=" << timeout.count();
+     << " progress_interval_us=" << progress_interval_us << " log_level=" << log_level_name(log_level)
+     << " flight_recorder_entries=" << flight_recorder_entries
+     << " flight_recorder_path=" << flight_recorder_path << " timeout_ms=" << timeout.count();
   return os.str();
 }
 

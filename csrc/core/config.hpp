@@ -8,10 +8,13 @@
 #include <map>
 #include <string>
 
+#include "log.hpp"
+
 namespace cam {
 
 // all_reduce algorithm: by size (kAuto), or forced (tests cover both paths this way).
 enum class AllReduceAlgo : int32_t { kAuto = 0, kOneShot, kTwoShot };
+const char* allreduce_algo_name(AllReduceAlgo a);
 
 struct CamConfig {
   // Data bytes of each rank's window (control page not included). Messages larger than the
@@ -49,6 +52,12 @@ struct CamConfig {
   int64_t liveness_interval_ms = 50;
   // Background progress thread: poll interval while work is pending but nobody waits on it.
   int64_t progress_interval_us = 500;
+  // What the group logs to stderr (see log.hpp).
+  LogLevel log_level = LogLevel::kWarn;
+  // Ops the flight recorder keeps (0: none), and where the engine dumps them when the group
+  // fails: `<flight_recorder_path><global rank>.json` ("" : no automatic dump).
+  int64_t flight_recorder_entries = 2000;
+  std::string flight_recorder_path = "/tmp/torch_cam_trace_rank_";
   // Group timeout applied to every wait unless an op carries its own.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 

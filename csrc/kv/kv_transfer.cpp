@@ -59,6 +59,7 @@ class KVTransferOp : public Op {
     return moved;
   }
   std::string waiting_for() const override { return job_->what() + " to finish"; }
+  int trace_peer() const override { return job_->peer(); }
 
  private:
   std::shared_ptr<KVTransfer> owner_;

@@ -50,6 +50,7 @@ class KVTransferJob {
                 Clock::time_point deadline);
 
   const std::string& what() const { return what_; }
+  int peer() const { return peer_; }
   bool done() const { return state_.load(std::memory_order_acquire) == State::kDone; }
   bool layer_done(int64_t layer) const;
   int64_t nbytes() const { return nbytes_.load(std::memory_order_relaxed); }

@@ -168,6 +168,17 @@ PYBIND11_MODULE(_C, m) {
         return int64_t(cam::signal_acquire(reinterpret_cast<const uint64_t*>(t.data_ptr<int64_t>())[index]));
       },
       py::arg("tensor"), py::arg("index"));
+  m.def("set_trace_rank", &cam::FlightRecorder::set_process_rank, py::arg("rank"),
+        "The global rank flight-recorder dumps carry and are named by");
+  m.def("flight_recorder_json", &cam::FlightRecorder::dump_json, py::arg("reason"),
+        "Every live group's flight recorder as one JSON document");
+  m.def(
+      "dump_flight_recorder",
+      [](const std::string& path, const std::string& reason) {
+        const std::string err = cam::FlightRecorder::dump_to(path, reason);
+        TORCH_CHECK(err.empty(), "torch_cam.dump_flight_recorder: ", err);
+      },
+      py::arg("path"), py::arg("reason"));
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
         "Remove /dev/shm names left by cam processes of this user that no longer exist");
 }
