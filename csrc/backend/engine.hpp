@@ -8,6 +8,8 @@
 // Failure model: a ValidationError fails one op and leaves the group usable. A timeout, a dead
 // peer or a failure reported by a peer fails every pending op, is published in this rank's
 // window for the peers to see, and makes every later op fail at once with the same cause.
+// Every op is noted in the group's flight recorder at issue, start and finish; a failure of
+// the group (not a shutdown) dumps it (flight_recorder.hpp).
 #pragma once
 
 #include <atomic>
