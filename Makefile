@@ -12,7 +12,7 @@ NPROC  ?= 4
 $(VENV)/.setup-done:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION) pytest expecttest numpy
+	$(PY) -m pip install -q torch==$(TORCH_VERSION) pytest expecttest numpy build wheel
 	$(PY) -m pip install -q -r tests/integration/requirements.txt torch==$(TORCH_VERSION)
 	touch $@
 

@@ -9,6 +9,11 @@ run() {  # run <deadline_s> <args...>
   echo "== $*"
   timeout --kill-after=30 "$deadline" "$PY" -m pytest -q "$@" || status=1
 }
+run_sh() {  # run_sh <deadline_s> <script> [args...]: a bash script that takes $PY last
+  local deadline=$1; shift
+  echo "== $*"
+  timeout --kill-after=30 "$deadline" bash "$@" "$PY" || status=1
+}
 run 900 tests/test_ops.py
 run 900 tests/test_collectives.py
 run 600 tests/test_collective_errors.py
@@ -18,6 +23,7 @@ run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/tes
 run 600 tests/test_fuzz_args.py
 run 600 tests/test_compile.py tests/test_flight_recorder.py
 run 1200 tests/integration
+run_sh 900 tests/test_packaging.sh
 if [ -f tests/dist_suite/run_dist_suite.py ]; then
   run 900 tests/dist_suite/run_dist_suite.py
   # The monitored_barrier failure tests need 8 ranks (they skip at the default 2).
