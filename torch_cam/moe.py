@@ -351,8 +351,9 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     if torch.compiler.is_compiling():
         return _ops().dispatch_result(torch.ops.torch_cam.moe_distribute_dispatch_v2(
             x, expert_ids, _ops().group_name(group_ep), ep_world_size, ep_rank_id, moe_expert_num, scales,
-            x_active_mask, expert_scales, _ops().performance_info_or_scratch(performance_info, ep_world_size), _ops().group_name(group_tp), tp_world_size,
-            tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
+            x_active_mask, expert_scales, _ops().performance_info_or_scratch(performance_info, ep_world_size),
+            _ops().group_name(group_tp), tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
+            shared_expert_rank_num, quant_mode, global_bs,
             expert_token_nums_type, zero_expert_num, copy_expert_num, const_expert_num),
             quant_mode, expert_scales)
     special = int(zero_expert_num) + int(copy_expert_num) + int(const_expert_num)
@@ -554,9 +555,9 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
             expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales,
             _ops().group_name(group_ep), ep_world_size, ep_rank_id, moe_expert_num, tp_send_counts,
             x_active_mask, shared_expert_x, ori_x, const_expert_alpha_1, const_expert_alpha_2, const_expert_v,
-            _ops().performance_info_or_scratch(performance_info, ep_world_size), _ops().group_name(group_tp), tp_world_size, tp_rank_id, expert_shard_type,
-            shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode, zero_expert_num,
-            copy_expert_num, const_expert_num)
+            _ops().performance_info_or_scratch(performance_info, ep_world_size), _ops().group_name(group_tp),
+            tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs,
+            comm_quant_mode, zero_expert_num, copy_expert_num, const_expert_num)
     return _combine("moe_distribute_combine_v2", expand_x, expert_ids, assist_info_for_combine,
                     ep_send_counts, expert_scales, group_ep, ep_world_size, ep_rank_id, moe_expert_num,
                     tp_send_counts=tp_send_counts, x_active_mask=x_active_mask,
