@@ -164,7 +164,38 @@ def _logged_rank_file(rank, world_size, init_file, level, d):
     return _logged(rank, world_size, init_file, level, os.path.join(d, f"{level}{rank}.log"))
 
 
+def _entry(seq, state, op="all_reduce", error=None):
+    return {"id": seq, "seq": seq, "op": op, "kind": "collective", "peer": -1, "dtype": "Float", "sizes": [4],
+            "tensors": 1, "numel": 4, "state": state, "issued_us": 1, "started_us": 1, "ended_us": 2, "error": error}
+
+
+def _dump(d, rank, size, entries):
+    path = os.path.join(d, f"r{rank}.json")
+    with open(path, "w") as f:
+        json.dump({"version": 1, "rank": rank, "pid": 1, "host": "h", "reason": "x", "dumped_us": 1,
+                   "groups": [{"group": "0", "desc": "'0'", "rank": rank, "size": size, "capacity": 8,
+                               "entries": entries}]}, f)
+    return path
+
+
 class TraceToolTest(unittest.TestCase):
+    def _trace(self, *paths):
+        out = subprocess.run([sys.executable, "-m", "torch_cam.trace", *paths], capture_output=True, text=True,
+                             timeout=60, cwd=REPO)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        return out.stdout
+
+    def test_refusal_everywhere_is_passed_over(self):
+        """A collective every rank failed alike (refused arguments) is not what the group waits on."""
+        with tempfile.TemporaryDirectory() as d:
+            refused = "rank 1 refused its arguments: bad"
+            a = _dump(d, 0, 2, [_entry(1, "completed"), _entry(2, "failed", error=refused),
+                                _entry(3, "failed", error="timeout after 3000 ms waiting for rank 1")])
+            b = _dump(d, 1, 2, [_entry(1, "completed"), _entry(2, "failed", error=refused)])
+            text = self._trace(a, b)
+            self.assertIn("first collective not completed everywhere: seq 3 (all_reduce)", text)
+            self.assertIn("=> rank 1 did not issue all_reduce (seq 3); rank 0 waits on it", text)
+
     def test_every_rank_completed(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "r0.json")

@@ -3,9 +3,10 @@ wait on.
 
     python -m torch_cam.trace /tmp/torch_cam_trace_rank_*.json
 
-For every group it finds the first collective that some rank has not completed and, for each
-rank of the group, whether it is waiting in it, failed in it, or never issued it (and what it
-ran last). Point-to-point ops still pending are listed with their peers.
+For every group it finds the first collective that some rank has not brought to an end (one
+that failed on every rank alike, such as a refusal of bad arguments, is passed over) and, for
+each rank of the group, whether it is waiting in it, failed in it, or never issued it (and what
+it ran last). Point-to-point ops still pending are listed with their peers.
 """
 from __future__ import annotations
 
@@ -55,13 +56,21 @@ def analyse(group: _Group) -> list[str]:
     """Lines saying where the group stands."""
     lines = [f"group {group.desc}: {len(group.members)} of {group.size} ranks dumped"]
     colls = {r: [e for e in m.entries if e["kind"] == "collective"] for r, m in group.members.items()}
-    pending = [next((e for e in es if e["state"] != _DONE), None) for es in colls.values()]
-    stuck = [e["seq"] for e in pending if e is not None]
+    by_seq = {r: {e["seq"]: e for e in es} for r, es in colls.items()}
+    unfinished = sorted({e["seq"] for es in colls.values() for e in es if e["state"] != _DONE})
+
+    def settled(seq):  # every rank ran it to an end (a refusal fails everywhere alike)
+        return len(by_seq) == group.size and all(
+            seq in s and s[seq]["state"] in (_DONE, "failed") for s in by_seq.values())
+
+    # The op the others wait on: the first one some rank has not brought to an end; where every
+    # such op ended on every rank, the latest failure.
+    stuck = [s for s in unfinished if not settled(s)] or unfinished[-1:]
     if not stuck:
         lines.append("  every recorded collective completed on every dumped rank")
     else:
-        seq = min(stuck)
-        at_seq = {r: next((e for e in es if e["seq"] == seq), None) for r, es in colls.items()}
+        seq = stuck[0]
+        at_seq = {r: s.get(seq) for r, s in by_seq.items()}
         ops = sorted({e["op"] for e in at_seq.values() if e is not None})
         lines.append(f"  first collective not completed everywhere: seq {seq} ({', '.join(ops)})")
         missing, waiting = [], []
@@ -97,7 +106,8 @@ def analyse(group: _Group) -> list[str]:
             names = ", ".join(map(str, missing))
             lines.append(f"  => {'rank' if len(missing) == 1 else 'ranks'} {names} did not issue "
                          f"{'/'.join(ops) or 'the op'} (seq {seq}); "
-                         f"{'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} wait on it")
+                         f"{'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} "
+                         f"{'waits' if len(waiting) == 1 else 'wait'} on it")
     for r, m in sorted(group.members.items()):
         for e in m.entries:
             if e["kind"] != "collective" and e["state"] != _DONE:
