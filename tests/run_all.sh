@@ -4,6 +4,10 @@ set -uo pipefail
 PY=${1:-.venv/bin/python}
 cd "$(dirname "$0")/.."
 status=0
+# Flight-recorder dumps of the tests' provoked failures go to a directory of this run, not /tmp.
+trace_dir=$(mktemp -d "${TMPDIR:-/tmp}/torch_cam_traces.XXXXXX")
+trap 'rm -rf "$trace_dir"' EXIT
+export TORCH_CAM_FLIGHT_RECORDER_PATH="$trace_dir/trace_rank_"
 run() {  # run <deadline_s> <args...>
   local deadline=$1; shift
   echo "== $*"

@@ -54,7 +54,7 @@ def _dispatch_fake(x, expert_ids, group_ep, moe_expert_num, expert_scales, tp_wo
     BS, K = expert_ids.shape
     H = x.shape[1]
     T = max(int(tp_world_size), 1)
-    is_shared, L_here, _, A = moe.dispatch_geometry(W, rank, BS, K, int(moe_expert_num),
+    _, L_here, _, A = moe.dispatch_geometry(W, rank, BS, K, int(moe_expert_num),
                                                      int(shared_expert_rank_num), int(global_bs))
     quant = quant_mode == 2
     f32, i32 = torch.float32, torch.int32
