@@ -527,7 +527,7 @@ class WeightChannel:
     def _run(self, plan):
         """Runs the plan's parts (one per copy thread) side by side."""
         if len(plan) <= 1:
-            return _run(plan[0] if plan else [])
+            return _run(plan[0]) if plan else None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.copy_threads, "torch_cam-weights")
         for f in [self._pool.submit(_run, part) for part in plan]:
@@ -721,18 +721,39 @@ def _step_bytes(s):
     return s.dst.numel() * s.dst.element_size()
 
 
+class _Part:
+    """The steps one copy thread runs: copies without a cast as one ``torch._foreach_copy_``
+    (one call into ATen for all of them: about 1 us less per tensor than a Python loop), the
+    rest (casts, which foreach copies do slowly, and quantized tensors) one by one."""
+    __slots__ = ("dsts", "srcs", "rest")
+
+    def __init__(self, steps):
+        same = [s for s in steps if s.buckets is None and s.dst.dtype == s.src.dtype]
+        self.dsts, self.srcs = [s.dst for s in same], [s.src for s in same]
+        self.rest = [s for s in steps if not (s.buckets is None and s.dst.dtype == s.src.dtype)]
+
+
 def _balance(plan, k):
-    """k lists of steps with about equal bytes (largest first onto the lightest list)."""
+    """k parts of about equal bytes (largest step first onto the lightest part)."""
     lists, load = [[] for _ in range(k)], [0] * k
     for s in sorted(plan, key=_step_bytes, reverse=True):
         i = load.index(min(load))
         lists[i].append(s)
         load[i] += _step_bytes(s)
-    return [lst for lst in lists if lst]
+    return [_Part(lst) for lst in lists if lst]
 
 
-def _run(plan):
-    for s in plan:
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def _run(part):
+    if part.dsts:
+        if _foreach_copy is not None:
+            _foreach_copy(part.dsts, part.srcs)
+        else:
+            for d, src in zip(part.dsts, part.srcs):
+                d.copy_(src)
+    for s in part.rest:
         if s.buckets is None:
             s.dst.copy_(s.src)
             continue
