@@ -12,8 +12,8 @@ sample is the slowest rank's time from a common start):
   all-gather a sharded tensor, trainer 0 broadcasts the whole tensor to the rollouts, each rollout
   copies its shard into its tensor (1 -> n: trainer 0 broadcasts straight into the rollouts'
   tensors), over a gloo group and over a cam group;
-- memcpy bound: every rollout copying the bytes it receives as one tensor copy in its own memory,
-  all at once, with the threads the channel copies with.
+- memcpy bound: every rollout copying the bytes it receives within its own memory (256 MiB
+  copies), all at once, with the threads the channel copies with.
 GB/s = bytes each rollout receives / time. "per tensor" (small rows) = what each extra tensor
 costs: (cam small - cam large) / (2048 - 8) for the same bytes.
 """
@@ -140,13 +140,17 @@ def worker(rank, world, store_path, cfg, result_path):
             # The bound: every rollout copying the bytes it receives within its own memory, all
             # at once (they share the cores and memory bandwidth as in the update), with the
             # threads the channel copies with (torch's intra-op threads here).
-            src = torch.ones(recv_bytes // 4, dtype=torch.float32) if not is_trainer else None
+            # (A buffer of at most 256 MiB, copied as often as it takes: far beyond the caches,
+            # so it streams as one large copy would, without doubling the model in memory.)
+            piece = min(recv_bytes, 256 * MiB)
+            src = torch.ones(piece // 4, dtype=torch.float32) if not is_trainer else None
             dst = torch.empty_like(src) if src is not None else None
 
             def local_copy():
                 if src is not None:
                     torch.set_num_threads(ch.copy_threads)
-                    dst.copy_(src)
+                    for _ in range(recv_bytes // piece):
+                        dst.copy_(src)
                     torch.set_num_threads(1)
 
             bound = timed(local_copy, gloo, cfg["samples"])

@@ -197,7 +197,13 @@ def options_run(rank, world, init_file):
             ch.register("v", view)
             raise AssertionError("a view was registered without stage=True")
         except ValueError as e:
-            assert "stage=True" in str(e), e
+            assert "stage=True" in str(e) and "it is a view" in str(e), e
+        param = torch.nn.Parameter(torch.ones(3))
+        try:
+            ch.register("p", param.data)   # would leave the parameter on its old storage
+            raise AssertionError("a parameter's .data was registered without stage=True")
+        except ValueError as e:
+            assert "the .data of a parameter" in str(e), e
         ch.register("v", view, stage=True)
         assert not torch_cam.is_heap_tensor(view)
         with torch.no_grad():
@@ -437,7 +443,45 @@ def death_run(rank, world, init_file, who):
         return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
 
 
+def reader_run(rank, world, init_file):
+    """An inference thread holds reading() past the group's timeout: update gives up at the
+    deadline with the previous version intact, and the trainer's publish times out too."""
+    _init(rank, world, init_file, timeout_s=3)
+    from torch_cam.weights import WeightChannel
+    ch = WeightChannel(trainers=[0], replicas=[[1]])
+    t = ch.register("w", torch.ones(4) if rank == 0 else torch.zeros(4))
+    release = threading.Event()
+    if rank == 1:
+        held = threading.Event()
+
+        def step():
+            with ch.reading():
+                held.set()
+                release.wait(20)
+        threading.Thread(target=step, daemon=True).start()
+        held.wait()
+    t0 = time.monotonic()
+    try:
+        (ch.publish if rank == 0 else ch.update)(1)
+        return ("no error", 0.0)
+    except Exception as e:
+        release.set()
+        if rank == 1:
+            expect_equal(t, torch.zeros(4), "after the abandoned update")
+            assert ch.version is None
+        return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+
+
 class Death(unittest.TestCase):
+    def test_reader_past_the_timeout(self):
+        res = run_ranks(reader_run, 2, deadline_s=60)
+        for r in range(2):
+            self.assertEqual(res[r][0], "ok", res[r][1])
+            msg, elapsed = res[r][1]
+            self.assertRegex(msg, r"held reading\(\) for longer than the group's timeout" if r == 1 else
+                             r"[Tt]ime", f"rank {r}")
+            self.assertLess(elapsed, 15)
+
     def check(self, who, dead):
         before = set(cam_segments())
         res = run_ranks(death_run, 3, who, deadline_s=90, allow_died=(dead,))

@@ -43,6 +43,7 @@ import hashlib
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -227,10 +228,15 @@ class _ReadWriteLock:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
-    def write(self):
+    def write(self, timeout_s: float):
+        end = time.monotonic() + timeout_s
         with self._cond:
             while self._writer or self._readers:
-                self._cond.wait()
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"an inference step held reading() for longer than the group's "
+                                       f"timeout ({timeout_s:.0f} s)")
+                self._cond.wait(left)
             self._writer = True
         try:
             yield
@@ -407,12 +413,11 @@ class WeightChannel:
     def _heap_source(self, name, tensor, stage):
         if self._backend.owns(tensor) and tensor.is_contiguous() and not stage:
             return tensor, tensor
-        owns_storage = (tensor._base is None and tensor.storage_offset() == 0 and tensor.is_contiguous()
-                        and tensor.untyped_storage().nbytes() == tensor.nbytes)
-        if not stage and not owns_storage and tensor.numel():
-            raise ValueError(f"register({name!r}): the tensor is a view of a larger storage, which cannot move "
-                             f"into the heap without breaking what it aliases; pass stage=True (a heap "
-                             f"copy refreshed at every publish) or register the tensor that owns the storage")
+        if not stage and not _sole_owner(tensor) and tensor.numel():
+            raise ValueError(f"register({name!r}): the tensor shares its storage (it is a view, has views, or is "
+                             f"the .data of a parameter), so moving that storage into the heap would cut it off "
+                             f"from what it aliases; register the tensor that owns the storage (the parameter "
+                             f"itself), or pass stage=True (a heap copy refreshed at every publish)")
         try:
             heap = self._backend.empty(list(tensor.shape), tensor.dtype)
         except RuntimeError as e:
@@ -511,9 +516,14 @@ class WeightChannel:
         plan = self._check_and_plan(op, version, everyone)
         # Commit point: every rank agreed and the plan checked out everywhere.
         if self.role == "rollout":
-            with self._lock.write():
-                self._run(plan)
-                self._version = version
+            try:
+                with self._lock.write(self._backend.timeout_s):
+                    self._run(plan)
+                    self._version = version
+            except TimeoutError as e:
+                held = "no version yet" if self._version is None else f"version {self._version}"
+                raise TimeoutError(f"weights update of version {version} on rank {self.rank}: {e}; this rank "
+                                   f"still holds {held}") from e
         else:
             self._version = version
         try:
@@ -692,6 +702,19 @@ def _digest(names) -> int:
         return 0
     h = hashlib.blake2b("\0".join(names).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little", signed=True) or 1
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` alone holds its storage, all of it: then replacing ``t.data`` moves every
+    use of those bytes. (Views, ``.data`` aliases and tensors with views hold more references.)"""
+    if t._base is not None or t.storage_offset() != 0 or not t.is_contiguous() \
+            or t.untyped_storage().nbytes() != t.nbytes:
+        return False
+    # Two references: t's own and the temporary one untyped_storage() returns.
+    return _use_count is None or _use_count(t.untyped_storage()._cdata) <= 2
 
 
 def _short(names):
