@@ -530,7 +530,8 @@ class WeightChannel:
             dist.barrier(group=self.group)  # trainers keep their tensors still until every rollout read
         except Exception as e:
             state = (f"this rank's tensors hold version {version} complete" if self.role == "rollout"
-                     else "the rollouts that finished hold the new version complete")
+                     else "a rollout that finished its copy holds the new version complete, one that did "
+                          "not the previous one")
             raise RuntimeError(f"weights {op} of version {version} on rank {self.rank}: a peer failed after "
                                f"the commit point ({state}): {e}") from e
 
