@@ -472,7 +472,53 @@ def reader_run(rank, world, init_file):
         return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
 
 
+def after_commit_run(rank, world, init_file):
+    """The trainer dies right after the commit point, while the rollouts copy from its pages:
+    they finish with version 2 whole (the pages outlive it) and then raise, saying so."""
+    _init(rank, world, init_file, timeout_s=60)
+    from torch_cam.weights import WeightChannel
+    ch = WeightChannel(trainers=[0], replicas=[[1], [2]])
+    big = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(16)}   # 16 MiB
+    if rank == 0:
+        held = {k: ch.register(k, v.clone()) for k, v in big.items()}
+        ch.publish(1)
+        with torch.no_grad():
+            for t in held.values():
+                t.add_(1)
+        plan = ch._check_and_plan
+
+        def die_after_commit(*a):
+            out = plan(*a)
+            os._exit(1)
+            return out
+        ch._check_and_plan = die_after_commit
+        ch.publish(2)
+        return ("no error", 0.0)
+    mine = {k: ch.register(k, torch.zeros_like(v)) for k, v in big.items()}
+    ch.update(1)
+    t0 = time.monotonic()
+    try:
+        ch.update(2)
+        return ("no error", 0.0)
+    except Exception as e:
+        for k, t in mine.items():
+            expect_equal(t, big[k] + 1, f"rank {rank} {k} after the trainer died past the commit point")
+        assert ch.version == 2
+        return (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+
+
 class Death(unittest.TestCase):
+    def test_trainer_dies_after_commit(self):
+        before = set(cam_segments())
+        res = run_ranks(after_commit_run, 3, deadline_s=90, allow_died=(0,))
+        self.assertEqual(set(cam_segments()) - before, set(), "segments left in /dev/shm")
+        for r in (1, 2):
+            self.assertEqual(res[r][0], "ok", res[r][1])
+            msg, elapsed = res[r][1]
+            self.assertRegex(msg, r"after the commit point \(this rank's tensors hold version 2 complete\)")
+            self.assertRegex(msg, r"peer rank 0 died|peer rank \d failed")
+            self.assertLess(elapsed, 20)
+
     def test_reader_past_the_timeout(self):
         res = run_ranks(reader_run, 2, deadline_s=60)
         for r in range(2):

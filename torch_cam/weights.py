@@ -22,17 +22,12 @@ is one copy per rollout byte, straight from the trainer's parameter into the eng
 the reshard and the cast done inside it. Every replica reads the same trainer pages: the trainers
 write nothing per replica, and no rank forwards.
 
-Atomic versions, and what they cost: nothing is written into a rollout tensor until every rank
-of the group has entered the call with the same version and names and the whole plan has been
-checked on every rank (the commit point). From then on the data a rollout reads lies in pages it
-has mapped, which outlive a trainer that dies, so its copy cannot be cut short by a peer. Hence
-a failure before the commit point leaves every rollout tensor at the previous version bit for
-bit, and a rollout past it holds the new version whole. Inside the rollout process, an inference
-thread that holds ``channel.reading()`` sees one version wholly: ``update`` applies under the
-write side of that lock (readers wait for the copy, the copy waits for readers). Memory: no
-second copy of the model on either side; ``stage=True`` trainer tensors (views whose storage
-cannot move) cost a heap copy of themselves, refreshed at each publish; quantized rollout
-tensors use an fp32 scratch of at most ``bucket_bytes``.
+Versions are atomic: nothing is written into a rollout tensor before every rank has entered the
+call with the same version and names and checked the whole plan (the commit point), and what a
+rollout reads after it lies in pages that outlive a trainer that dies. So a failure before the
+commit point leaves the previous version bit for bit, and one after it the new version whole;
+``reading()`` keeps an inference thread's step on one version. Design, costs and limits:
+docs/weights.md.
 """
 from __future__ import annotations
 
@@ -51,7 +46,7 @@ import torch.distributed as dist
 
 from .backend import get_cam_backend
 
-__all__ = ["WeightChannel", "ParameterServer", "Replicate", "Shard", "FlatShard", "ParamMeta"]
+__all__ = ["WeightChannel", "ParameterServer", "Replicate", "Shard", "FlatShard", "ParamMeta", "quantize_rows"]
 
 
 # ---- shard specs -------------------------------------------------------------------------------
