@@ -181,7 +181,7 @@ class Layouts(unittest.TestCase):
 def options_run(rank, world, init_file):
     _init(rank, world, init_file)
     import torch_cam
-    from torch_cam.weights import Shard, WeightChannel, quantize_rows
+    from torch_cam.weights import FlatShard, Shard, WeightChannel, quantize_rows
     ch = WeightChannel(trainers=[0], replicas=[[1, 2]], bucket_bytes=4096)
     g = torch.Generator().manual_seed(5)
     W = [torch.randn(40, 64, generator=g) * (1 + torch.arange(40.0))[:, None] for _ in range(4)]
@@ -191,6 +191,7 @@ def options_run(rank, world, init_file):
         w = torch.nn.Parameter(W[1].clone())
         ch.register("w", w)
         ch.register("w8", W[1].clone() + 1)
+        ch.register("fl", flat[:60].reshape(6, 10).clone())  # rollouts take flat halves
         base = torch.randn(300, generator=g)
         view = base[100:200]        # a view: refused unless staged
         try:
@@ -230,6 +231,8 @@ def options_run(rank, world, init_file):
     ch.register("w", q, Shard(0, j, 2), shape=(40, 64), scale=qs)
     ch.register("w8", f8, Shard(1, j, 2), shape=(40, 64), scale=f8s)
     ch.register("v", v)
+    fl = torch.zeros(30, dtype=torch.float8_e5m2)          # a FlatShard target, plain float8 cast
+    ch.register("fl", fl, FlatShard(30 * j, 30), shape=(6, 10))
 
     def check_q(version_w, version_w8):
         rq, rs = quantize_rows(version_w.chunk(2, 0)[j], torch.int8)
@@ -245,6 +248,8 @@ def options_run(rank, world, init_file):
     ch.update(1)
     check_q(W[1], W[1] + 1)
     expect_equal(v, flat.bfloat16(), "staged view")
+    expect_equal(fl.view(torch.uint8), flat[30 * j:30 * j + 30].to(torch.float8_e5m2).view(torch.uint8),
+                 "flat-shard float8 target")
     # An inference thread holding reading() keeps update from writing until it lets go.
     entered, seen = threading.Event(), {}
 
@@ -310,8 +315,8 @@ class Options(unittest.TestCase):
         res = run_ranks(options_run, 3, deadline_s=120)
         bad = {r: v for r, (s, v) in res.items() if s != "ok"}
         self.assertFalse(bad, "\n".join(f"rank {r}: {v}" for r, v in bad.items()))
-        want = sorted([("w", 0, None), ("w8", 0, None), ("v", 0, None), ("w", 1, "int8"), ("w8", 1, "fp8"),
-                       ("v", 1, None), ("w", 2, "int8"), ("w8", 2, "fp8"), ("v", 2, None)])
+        want = sorted([(n, r, q) for r in range(3) for n, q in
+                       (("w", "int8" if r else None), ("w8", "fp8" if r else None), ("v", None), ("fl", None))])
         for r in range(3):
             self.assertEqual(res[r][1], want)
 
