@@ -244,7 +244,7 @@ class _ReadWriteLock:
 @dataclass
 class _Entry:
     meta: ParamMeta
-    tensor: torch.Tensor          # what the caller registered (trainer: now heap-resident)
+    tensor: torch.Tensor          # what the caller registered (trainer: heap-resident unless staged)
     source: torch.Tensor | None   # trainer: the contiguous heap tensor peers read
     offset: int                   # trainer: its arena offset (-1 when empty)
     scale: torch.Tensor | None = None
