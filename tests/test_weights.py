@@ -224,11 +224,17 @@ def options_run(rank, world, init_file):
         return sorted((m.name, m.rank, m.quant) for m in metas)
     j = rank - 1
     q = torch.zeros(20, 64, dtype=torch.int8)
-    qs = torch.zeros(20, dtype=torch.float32)
+    qs2 = torch.zeros(20, 1, dtype=torch.float32)            # (rows, 1) scales are written in place too
+    qs = qs2.view(-1)
     f8 = torch.zeros(40, 32, dtype=torch.float8_e4m3fn)
     f8s = torch.zeros(40, dtype=torch.float32)
     v = torch.zeros(100, dtype=torch.bfloat16)
-    ch.register("w", q, Shard(0, j, 2), shape=(40, 64), scale=qs)
+    try:
+        ch.register("w", q, Shard(0, j, 2), shape=(40, 64), scale=torch.zeros(5, 4).t())
+        raise AssertionError("a scale that no 1-d view covers was accepted")
+    except ValueError as e:
+        assert "viewable as one dim" in str(e), e
+    ch.register("w", q, Shard(0, j, 2), shape=(40, 64), scale=qs2)
     ch.register("w8", f8, Shard(1, j, 2), shape=(40, 64), scale=f8s)
     ch.register("v", v)
     fl = torch.zeros(30, dtype=torch.float8_e5m2)          # a FlatShard target, plain float8 cast

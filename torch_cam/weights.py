@@ -357,9 +357,16 @@ class WeightChannel:
             if isinstance(spec, FlatShard) or tensor.dim() == 0:
                 raise ValueError(f"register({name!r}): quantized tensors take per-row scales, so they need "
                                  f"a Replicate or Shard spec and at least one dim")
-            if scale.dtype != torch.float32 or scale.numel() != tensor.shape[0] or scale.device.type != "cpu":
+            if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or \
+                    scale.numel() != tensor.shape[0] or scale.device.type != "cpu":
                 raise ValueError(f"register({name!r}): scale must be a CPU float32 tensor of {tensor.shape[0]} "
-                                 f"elements (one per row), got {scale.dtype} with {scale.numel()}")
+                                 f"elements (one per row), got {getattr(scale, 'dtype', type(scale).__name__)} "
+                                 f"with {getattr(scale, 'numel', lambda: '?')()} elements")
+            try:
+                scale = scale.view(-1)  # (rows,) or (rows, 1): written through a 1-d view
+            except RuntimeError as e:
+                raise ValueError(f"register({name!r}): scale must be viewable as one dim (its rows are "
+                                 f"written in place): {e}") from e
             quant = _QUANT[tensor.dtype][0]
         if isinstance(spec, FlatShard) and not tensor.is_contiguous():
             raise ValueError(f"register({name!r}): a FlatShard tensor must be contiguous")
