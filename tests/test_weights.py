@@ -192,6 +192,7 @@ def options_run(rank, world, init_file):
         ch.register("w", w)
         ch.register("w8", W[1].clone() + 1)
         ch.register("fl", flat[:60].reshape(6, 10).clone())  # rollouts take flat halves
+        ch.register("pg", flat[40:100].reshape(6, 10).clone())
         base = torch.randn(300, generator=g)
         view = base[100:200]        # a view: refused unless staged
         try:
@@ -237,6 +238,8 @@ def options_run(rank, world, init_file):
     ch.register("w", q, Shard(0, j, 2), shape=(40, 64), scale=qs2)
     ch.register("w8", f8, Shard(1, j, 2), shape=(40, 64), scale=f8s)
     ch.register("v", v)
+    p = torch.nn.Parameter(torch.zeros(60))       # an engine parameter that requires grad
+    ch.register("pg", p, FlatShard(0, 60), shape=(6, 10))
     fl = torch.zeros(30, dtype=torch.float8_e5m2)          # a FlatShard target, plain float8 cast
     ch.register("fl", fl, FlatShard(30 * j, 30), shape=(6, 10))
 
@@ -254,6 +257,7 @@ def options_run(rank, world, init_file):
     ch.update(1)
     check_q(W[1], W[1] + 1)
     expect_equal(v, flat.bfloat16(), "staged view")
+    expect_equal(p.detach(), flat[40:100], "a parameter that requires grad, written in place")
     expect_equal(fl.view(torch.uint8), flat[30 * j:30 * j + 30].to(torch.float8_e5m2).view(torch.uint8),
                  "flat-shard float8 target")
     # An inference thread holding reading() keeps update from writing until it lets go.
@@ -322,7 +326,8 @@ class Options(unittest.TestCase):
         bad = {r: v for r, (s, v) in res.items() if s != "ok"}
         self.assertFalse(bad, "\n".join(f"rank {r}: {v}" for r, v in bad.items()))
         want = sorted([(n, r, q) for r in range(3) for n, q in
-                       (("w", "int8" if r else None), ("w8", "fp8" if r else None), ("v", None), ("fl", None))])
+                       (("w", "int8" if r else None), ("w8", "fp8" if r else None), ("v", None), ("fl", None),
+                        ("pg", None))])
         for r in range(3):
             self.assertEqual(res[r][1], want)
 

@@ -577,7 +577,8 @@ class WeightChannel:
         key = (tuple(self._peer_meta[r][0] for r in range(self.world)), names)
         plan = self._plans.get(key)
         if plan is None:
-            plan = _balance(self._plan(op, version, names), self.copy_threads)
+            with torch.no_grad():  # views of parameters, written in place later
+                plan = _balance(self._plan(op, version, names), self.copy_threads)
             self._plans = {key: plan}  # one cached plan: registrations or names changed otherwise
         return plan
 
@@ -772,6 +773,7 @@ def _balance(plan, k):
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
+@torch.no_grad()  # rollout tensors may be parameters that require grad (per thread: no_grad is)
 def _run(part):
     if part.dsts:
         if _foreach_copy is not None:
