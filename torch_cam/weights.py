@@ -229,8 +229,8 @@ class _ReadWriteLock:
             while self._writer or self._readers:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"an inference step held reading() for longer than the group's "
-                                       f"timeout ({timeout_s:.0f} s)")
+                    raise TimeoutError(f"an inference step held reading() for longer than half the group's "
+                                       f"timeout ({timeout_s:.1f} s)")
                 self._cond.wait(left)
             self._writer = True
         try:
@@ -517,25 +517,51 @@ class WeightChannel:
         everyone = self._exchange(op, version, names, local_error)
         plan = self._check_and_plan(op, version, everyone)
         # Commit point: every rank agreed and the plan checked out everywhere.
+        failure = None
         if self.role == "rollout":
+            held = "no version yet" if self._version is None else f"version {self._version}"
             try:
-                with self._lock.write(self._backend.timeout_s):
-                    self._run(plan)
+                # Half the group's timeout: the peers, waiting in _close, must still hear of it.
+                with self._lock.write(self._backend.timeout_s / 2):
+                    try:
+                        self._run(plan)
+                    except Exception as e:
+                        raise RuntimeError(f"{type(e).__name__}: {e} (the copy stopped part way: this rank's "
+                                           f"tensors may hold parts of {held} and of version {version})") from e
                     self._version = version
             except TimeoutError as e:
-                held = "no version yet" if self._version is None else f"version {self._version}"
-                raise TimeoutError(f"weights update of version {version} on rank {self.rank}: {e}; this rank "
-                                   f"still holds {held}") from e
+                failure = TimeoutError(f"weights update of version {version} on rank {self.rank}: {e}; this "
+                                       f"rank still holds {held}")
+            except RuntimeError as e:
+                failure = RuntimeError(f"weights update of version {version} on rank {self.rank}: {e}")
         else:
             self._version = version
+        self._close(op, version, failure)
+
+    def _close(self, op, version, failure):
+        """The call's last exchange: whether every rollout applied the version (trainers keep
+        their tensors still until then). A rollout whose copy failed re-raises its error; every
+        other rank raises naming it."""
+        flag = torch.tensor([failure is not None], dtype=torch.int64)
+        flags = [torch.empty_like(flag) for _ in range(self.world)]
         try:
-            dist.barrier(group=self.group)  # trainers keep their tensors still until every rollout read
+            dist.all_gather(flags, flag, group=self.group)
+            bad = [r for r, f in enumerate(flags) if f.item()]
+            texts = [None] * self.world
+            if bad:
+                dist.all_gather_object(texts, None if failure is None else str(failure), group=self.group)
         except Exception as e:
             state = (f"this rank's tensors hold version {version} complete" if self.role == "rollout"
-                     else "a rollout that finished its copy holds the new version complete, one that did "
-                          "not the previous one")
+                     and failure is None else "a rollout that finished its copy holds the new version complete, "
+                     "one that did not the previous one")
             raise RuntimeError(f"weights {op} of version {version} on rank {self.rank}: a peer failed after "
                                f"the commit point ({state}): {e}") from e
+        if failure is not None:
+            raise failure
+        if bad:
+            mine = "; this rank applied it" if self.role == "rollout" else ""
+            raise RuntimeError(f"weights {op} of version {version} on rank {self.rank}: rollout rank(s) {bad} did "
+                               f"not apply it: {texts[bad[0]]}{mine}")
 
     def _run(self, plan):
         """Runs the plan's parts (one per copy thread) side by side."""
