@@ -229,8 +229,7 @@ class _ReadWriteLock:
             while self._writer or self._readers:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"an inference step held reading() for longer than half the group's "
-                                       f"timeout ({timeout_s:.1f} s)")
+                    raise TimeoutError(f"an inference step held reading() for longer than {timeout_s:.1f} s")
                 self._cond.wait(left)
             self._writer = True
         try:
@@ -314,7 +313,8 @@ class WeightChannel:
         # rank -> (epoch, {name: ParamMeta}, {name: arena offset}) as that rank last sent them
         self._peer_meta: dict[int, tuple[int, dict, dict]] = {}
         self._plans: dict = {}
-        self._version = None
+        self._version = None     # what this rank's tensors hold
+        self._committed = None   # the last version every rank committed to (the same on all)
         self._lock = _ReadWriteLock()
         rollouts = sum(len(rep) for rep in replicas)
         self.copy_threads = int(copy_threads) if copy_threads is not None else max(
@@ -332,9 +332,9 @@ class WeightChannel:
         Trainer: unless the tensor already lives in the group's tensor heap, its storage moves
         there (``tensor.data`` is replaced by a heap copy with the same values and shape, made
         contiguous), so the object an optimizer holds keeps working and peers read it in place.
-        Views that do not own their storage (slices of a flat buffer) cannot move without
-        breaking what they alias: pass ``stage=True`` to keep a heap copy refreshed at every
-        publish instead. Rollout: the tensor stays where it is and is written in place;
+        A tensor whose storage others share (a view, a tensor with views, a parameter's ``.data``)
+        cannot move without cutting it off from them and is refused: register the owner, or pass
+        ``stage=True`` to keep a heap copy refreshed at every publish instead. Rollout: the tensor stays where it is and is written in place;
         ``scale`` (float32, one per row of dim 0) makes an int8 or float8_e4m3fn tensor take
         per-row quantized values. Returns the registered tensor."""
         spec = Replicate() if shard is None else shard
@@ -357,11 +357,12 @@ class WeightChannel:
             if isinstance(spec, FlatShard) or tensor.dim() == 0:
                 raise ValueError(f"register({name!r}): quantized tensors take per-row scales, so they need "
                                  f"a Replicate or Shard spec and at least one dim")
+            got = (f"{scale.dtype} {scale.device} tensor of {scale.numel()} elements"
+                   if isinstance(scale, torch.Tensor) else type(scale).__name__)
             if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or \
                     scale.numel() != tensor.shape[0] or scale.device.type != "cpu":
                 raise ValueError(f"register({name!r}): scale must be a CPU float32 tensor of {tensor.shape[0]} "
-                                 f"elements (one per row), got {getattr(scale, 'dtype', type(scale).__name__)} "
-                                 f"with {getattr(scale, 'numel', lambda: '?')()} elements")
+                                 f"elements (one per row), got a {got}")
             try:
                 scale = scale.view(-1)  # (rows,) or (rows, 1): written through a 1-d view
             except RuntimeError as e:
@@ -517,26 +518,28 @@ class WeightChannel:
         everyone = self._exchange(op, version, names, local_error)
         plan = self._check_and_plan(op, version, everyone)
         # Commit point: every rank agreed and the plan checked out everywhere.
-        failure = None
-        if self.role == "rollout":
-            held = "no version yet" if self._version is None else f"version {self._version}"
-            try:
-                # Half the group's timeout: the peers, waiting in _close, must still hear of it.
-                with self._lock.write(self._backend.timeout_s / 2):
-                    try:
-                        self._run(plan)
-                    except Exception as e:
-                        raise RuntimeError(f"{type(e).__name__}: {e} (the copy stopped part way: this rank's "
-                                           f"tensors may hold parts of {held} and of version {version})") from e
-                    self._version = version
-            except TimeoutError as e:
-                failure = TimeoutError(f"weights update of version {version} on rank {self.rank}: {e}; this "
-                                       f"rank still holds {held}")
-            except RuntimeError as e:
-                failure = RuntimeError(f"weights update of version {version} on rank {self.rank}: {e}")
-        else:
+        self._committed = version
+        failure = self._apply(plan, version) if self.role == "rollout" else None
+        if self.role == "trainer":
             self._version = version
         self._close(op, version, failure)
+
+    def _apply(self, plan, version):
+        """Rollout: writes the plan under the write lock; returns the error to report, if any."""
+        held = "no version yet" if self._version is None else f"version {self._version}"
+        where = f"weights update of version {version} on rank {self.rank}"
+        try:
+            # Half the group's timeout: the peers, waiting in _close, must still hear of it.
+            with self._lock.write(self._backend.timeout_s / 2):
+                try:
+                    self._run(plan)
+                except Exception as e:
+                    return RuntimeError(f"{where}: {type(e).__name__}: {e} (the copy stopped part way: this "
+                                        f"rank's tensors may hold parts of {held} and of version {version})")
+                self._version = version
+        except TimeoutError as e:
+            return TimeoutError(f"{where}: {e} (half the group's timeout); this rank still holds {held}")
+        return None
 
     def _close(self, op, version, failure):
         """The call's last exchange: whether every rollout applied the version (trainers keep
@@ -573,8 +576,9 @@ class WeightChannel:
             f.result()  # tensor copies release the GIL, so the parts run side by side
 
     def _refresh_staged(self, names):
+        wanted = None if names is None else set(names)
         for n in self._staged:
-            if names is None or n in names:
+            if wanted is None or n in wanted:
                 e = self._entries[n]
                 with torch.no_grad():
                     e.source.copy_(e.tensor)
@@ -597,8 +601,8 @@ class WeightChannel:
             if m[3] != everyone[self.rank][3]:
                 self._fail(op, version, f"rank {r} asked for names {_short(m[3])}, this rank for "
                            f"{_short(everyone[self.rank][3])}")
-        if self._version is not None and version <= self._version:
-            self._fail(op, version, f"versions must increase; the channel holds version {self._version}")
+        if self._committed is not None and version <= self._committed:
+            self._fail(op, version, f"versions must increase; the channel committed to version {self._committed}")
         names = everyone[self.rank][3]
         key = (tuple(self._peer_meta[r][0] for r in range(self.world)), names)
         plan = self._plans.get(key)
@@ -781,9 +785,13 @@ class _Part:
     __slots__ = ("dsts", "srcs", "rest")
 
     def __init__(self, steps):
-        same = [s for s in steps if s.buckets is None and s.dst.dtype == s.src.dtype]
-        self.dsts, self.srcs = [s.dst for s in same], [s.src for s in same]
-        self.rest = [s for s in steps if not (s.buckets is None and s.dst.dtype == s.src.dtype)]
+        self.dsts, self.srcs, self.rest = [], [], []
+        for s in steps:
+            if s.buckets is None and s.dst.dtype == s.src.dtype:
+                self.dsts.append(s.dst)
+                self.srcs.append(s.src)
+            else:
+                self.rest.append(s)
 
 
 def _balance(plan, k):
@@ -866,14 +874,13 @@ class ParameterServer:
     def update(self, checkpoint_name: str, req_func=None, *, version: int | None = None) -> int:
         """Collective: moves the checkpoint's current values from the trainers into the rollouts'
         tensors (trainers publish, rollouts update). ``version`` defaults to the channel's last
-        plus one. On rollouts, ``req_func(names)`` runs afterwards (the engine's hook after a
+        committed version plus one (the same on every rank, also after a failed update). On rollouts, ``req_func(names)`` runs afterwards (the engine's hook after a
         weight load, e.g. re-deriving fused weights). Returns the version."""
-        version = (self.channel.version or 0) + 1 if version is None else version
+        version = (self.channel._committed or 0) + 1 if version is None else version
         known = checkpoint_name in self._names
         names = [f"{checkpoint_name}/{n}" for n in self._names.get(checkpoint_name, ())]
         refusal = None if known else f"KeyError: checkpoint {checkpoint_name!r} is not registered on this rank"
         self.channel._call("publish" if self.channel.role == "trainer" else "update", version, names, refusal)
-        if self.channel.role == "rollout":
-            if req_func is not None:
-                req_func(list(self._names[checkpoint_name]))
+        if self.channel.role == "rollout" and req_func is not None:
+            req_func(list(self._names[checkpoint_name]))
         return version
