@@ -100,6 +100,35 @@ at::Tensor CamBackend::peer_arena_view(int r, int64_t offset, int64_t nbytes) {
   return at::from_blob(p, {nbytes}, [keep](void*) {}, at::TensorOptions().dtype(at::kByte));
 }
 
+std::string CamBackend::wait_signal(int peer, const at::Tensor& counters, int64_t index, int64_t target,
+                                    double timeout_s) const {
+  TORCH_CHECK(peer >= 0 && peer < size_, "cam wait_signal on rank ", rank_, ": rank ", peer,
+              " is outside the group of ", size_);
+  TORCH_CHECK(counters.scalar_type() == at::kLong && counters.is_contiguous() && index >= 0 &&
+                  index < counters.numel(),
+              "cam wait_signal: expected a contiguous int64 tensor and an index inside it");
+  const auto& counter = reinterpret_cast<const uint64_t*>(counters.data_ptr<int64_t>())[index];
+  if (int64_t(signal_acquire(counter)) >= target) return {};
+  const CamConfig& cfg = engine_->config();
+  Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
+  const auto start = Clock::now();
+  const auto until = start + std::chrono::microseconds(int64_t(timeout_s * 1e6));
+  auto next_check = start + std::chrono::milliseconds(cfg.liveness_interval_ms);
+  while (int64_t(signal_acquire(counter)) < target) {
+    backoff.pause();
+    const auto now = Clock::now();
+    if (now >= next_check) {
+      next_check = now + std::chrono::milliseconds(cfg.liveness_interval_ms);
+      if (peer != rank_) {
+        std::string problem = engine_->peer_problem(peer);
+        if (!problem.empty() && int64_t(signal_acquire(counter)) < target) return problem;
+      }
+    }
+    if (now >= until) return int64_t(signal_acquire(counter)) >= target ? std::string() : "timeout";
+  }
+  return {};
+}
+
 at::Tensor CamBackend::allocateTensor(long size, at::TensorOptions options) {
   TORCH_CHECK(!options.has_device() || options.device().is_cpu(), "cam allocateTensor on rank ",
               rank_, ": the tensor heap holds CPU tensors, got device ", options.device());

@@ -196,18 +196,21 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
   };
   for (int r = 0; r < ctx_.world; ++r) {
     if (r == ctx_.rank) continue;
-    const ErrorReport* rep = ctx_.L.error(ctx_.peer(r));
-    if (signal_acquire(rep->seq) != 0) {
-      std::string text(rep->text, strnlen(rep->text, kErrorTextBytes));
-      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " failed: ", text, waiting()), finished);
-      return;
-    }
-    std::string dead = heap_->peer_failure(r);
-    if (!dead.empty()) {
-      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " died (", dead, ")", waiting()), finished);
+    const std::string problem = peer_problem(r);
+    if (!problem.empty()) {
+      fail_all(str("cam on rank ", ctx_.rank, ": peer rank ", r, " ", problem, waiting()), finished);
       return;
     }
   }
+}
+
+std::string Engine::peer_problem(int r) const {
+  const ErrorReport* rep = ctx_.L.error(ctx_.peer(r));
+  if (signal_acquire(rep->seq) != 0) {
+    return "failed: " + std::string(rep->text, strnlen(rep->text, kErrorTextBytes));
+  }
+  std::string dead = heap_->peer_failure(r);
+  return dead.empty() ? std::string() : "died (" + dead + ")";
 }
 
 void Engine::fail_all(const std::string& why, Finished& finished, bool dump) {

@@ -44,6 +44,11 @@ class Engine {
   // One non-blocking progress attempt.
   void poll();
 
+  // Why peer r is unusable: "failed: <its report>" once it published a failure of its group,
+  // "died (<why>)" once its process is gone; empty while it is alive. The one liveness policy:
+  // the engine's ops and extensions' waits (wait_signal) both ask here.
+  std::string peer_problem(int r) const;
+
   SymmetricHeap& heap() { return *heap_; }
   const CamConfig& config() const { return cfg_; }
   const Stats& stats() const { return stats_; }

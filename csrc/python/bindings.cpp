@@ -12,6 +12,7 @@
 namespace py = pybind11;
 
 void bind_kv(py::module& m);  // kv_bindings.cpp
+void bind_afd(py::module& m);  // afd_bindings.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_cam native backend";
@@ -146,9 +147,13 @@ PYBIND11_MODULE(_C, m) {
            "Offset of a heap tensor in this rank's tensor heap, or -1")
       .def("peer_failure", &cam::CamBackend::peer_failure, py::arg("rank"),
            "Why a peer is considered dead; empty while it is alive")
+      .def("wait_signal", &cam::CamBackend::wait_signal, py::arg("peer"), py::arg("counters"), py::arg("index"),
+           py::arg("target"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+           "Wait until counters[index] >= target: '' when reached, 'timeout', or why the peer is unusable")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   bind_kv(m);
+  bind_afd(m);
   // 64-bit signals in shared tensors (extensions' control blocks): a release store after the
   // data it publishes, an acquire load before reading it (csrc/transport/signal.hpp).
   m.def(

@@ -1,0 +1,624 @@
+"""Attention-FFN disaggregation (AFD): attention ranks and FFN (expert) ranks exchange every
+layer's tokens, several micro-batches in flight.
+
+``AfdChannel(group, attention_ranks=[...], ffn_ranks=[...], experts_per_rank=, hidden=, topk=,
+max_tokens=)`` (collective over ``group``) names the two sides (any M:N, ranks of the group) and
+the expert placement: FFN rank ``f`` (its index in ``ffn_ranks``) holds routed experts
+``f * experts_per_rank .. (f + 1) * experts_per_rank - 1``; with ``shared_expert=True`` every FFN
+rank also runs the shared expert for a contiguous chunk of every attention rank's tokens.
+
+Attention side, per layer and micro-batch::
+
+    h = channel.send(x, expert_ids, expert_weights, layer=l, micro_batch=m)   # returns at once
+    ...                                                                      # other work
+    y = channel.recv(h)    # (bs, H): sum_k w_k * expert_k(x) (+ shared(x)), fp32 sum, one rounding
+
+FFN side::
+
+    tok = channel.recv_tokens(layer=l, micro_batch=m)   # rows grouped per local expert
+    out = grouped_experts(tok.rows, tok.counts)           # (tok.rows.shape[0], H)
+    channel.send_outputs(out, tok)
+
+How bytes move on one host (docs/afd.md): ``send`` writes the tokens (or their per-token int8
+with ``quant=True``), ids and weights into this rank's slot of the channel in its tensor heap and
+raises the slot's counter; every FFN rank pulls the rows of its experts straight from there into
+its grouped buffer; ``send_outputs`` writes each expert output row straight into the owning
+attention rank's receive area and raises a done counter; ``recv`` sums a token's rows in one
+pass. Nothing is allocated per call once buffers have grown to the largest batch seen; the only
+synchronisation is those counters, so an attention rank computes micro-batch k+1 while the FFN
+ranks work on k.
+
+Errors: bad input raises on the rank that passed it and on every rank waiting for that message
+(its peers learn through the message header or the FFN's status line), naming the op, the ranks,
+and what was expected against what came; the channel stays usable. A peer that dies or stops
+answering makes every wait on it raise within the channel's timeout; the channel is then broken
+and every later call raises at once with that cause.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .backend import get_cam_backend
+
+__all__ = ["AfdChannel", "AfdHandle", "AfdTokens", "AfdError", "AfdTimeout",
+           "a2e", "e2a", "dispatch_send_async", "dispatch_recv_async", "combine_send_async",
+           "combine_recv_async", "moe_dispatch_send_async", "moe_dispatch_recv_async",
+           "moe_combine_send_async", "moe_combine_recv_async"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LINE = 64          # one counter per cache line
+_TEXT = 448         # bytes of an error text in a header or status line
+# Attention slot header: int64 words (word 0 is the posted counter, written last).
+_H_POSTED, _H_LAYER, _H_MB, _H_BS, _H_QUANT, _H_REFUSED, _H_WORDS = 0, 1, 2, 3, 4, 5, 8
+_HEADER_BYTES = 1024  # words, then the refusal text at byte 512
+_TEXT_AT = 512
+# FFN status line per slot: word 0 = the message it failed (0: none), text from byte 64.
+_STATUS_BYTES = 512
+
+# Channel blocks stay mapped until the process exits: a peer may still be reading one when its
+# owner drops the channel (the heap punches freed pages out; peers would read zeros).
+_retired: list[torch.Tensor] = []
+
+
+class AfdError(RuntimeError):
+    """Bad input or a failure of a peer, on any rank of the exchange."""
+
+
+class AfdTimeout(AfdError, TimeoutError):
+    """A peer did not answer within the channel's timeout."""
+
+
+def _align(n: int, a: int = _LINE) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class _Config:
+    attention_ranks: tuple
+    ffn_ranks: tuple
+    experts_per_rank: int
+    hidden: int
+    topk: int
+    max_tokens: int
+    dtype: str
+    shared_expert: bool
+    micro_batches: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts_per_rank * len(self.ffn_ranks)
+
+
+class _SlotLayout:
+    """Byte offsets inside one attention slot (one statement of the layout; both sides use it)."""
+
+    def __init__(self, c: _Config, esize: int):
+        B, K, H = c.max_tokens, c.topk, c.hidden
+        self.rows_per_token = K + (1 if c.shared_expert else 0)
+        self.ids = _HEADER_BYTES
+        self.weights = self.ids + _align(B * K * 4)
+        self.scales = self.weights + _align(B * K * 4)
+        self.rows = self.scales + _align(B * 4)
+        self.recv = self.rows + _align(B * H * esize)
+        self.bytes = self.recv + _align(B * self.rows_per_token * H * esize)
+
+
+@dataclass
+class AfdHandle:
+    """An attention rank's message in flight; ``channel.recv(handle)`` completes it."""
+    layer: int
+    micro_batch: int
+    message: int
+    bs: int
+    _weights: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    _ids: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    done: bool = False
+
+
+@dataclass
+class AfdTokens:
+    """What an FFN rank received for one layer and micro-batch (views of the channel's buffers,
+    valid until ``micro_batches`` later ``recv_tokens`` calls reuse them).
+
+    ``rows`` (n, H): grouped by local expert (0 .. experts_per_rank - 1, then the shared expert
+    if the channel has one), inside a group by (attention rank, token); int8 when the attention
+    ranks quantized, with ``scales`` (n,) float32 (row i ~= rows[i] * scales[i]). ``counts``
+    (groups,) int64: rows per group. ``weights`` (n,): the routing weight of each row (1 for a
+    shared-expert row; informational: the attention rank applies it). ``source`` (n, 3) int32:
+    (attention index, token, k) of each row, k = topk for a shared-expert row.
+    ``batch_sizes``: each attention rank's batch."""
+    layer: int
+    micro_batch: int
+    rows: torch.Tensor
+    scales: torch.Tensor | None
+    counts: torch.Tensor
+    weights: torch.Tensor
+    source: torch.Tensor
+    batch_sizes: list
+    message: int
+    sent: bool = False
+
+
+class AfdChannel:
+    """See the module docstring. Collective: every rank of ``group`` constructs it with the same
+    arguments. ``max_tokens``: the largest batch an attention rank sends in one message.
+    ``micro_batches``: messages an attention rank may have in flight (one slot each).
+    ``timeout``: seconds any wait may take (default: the group's timeout)."""
+
+    def __init__(self, group=None, *, attention_ranks, ffn_ranks, experts_per_rank: int, hidden: int,
+                 topk: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16, shared_expert: bool = False,
+                 micro_batches: int = 2, timeout: float | None = None):
+        self.group = group if group is not None else dist.group.WORLD
+        self._backend = get_cam_backend(self.group)
+        self.rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        attention_ranks = tuple(int(r) for r in attention_ranks)
+        ffn_ranks = tuple(int(r) for r in ffn_ranks)
+        cfg = _Config(attention_ranks, ffn_ranks, int(experts_per_rank), int(hidden), int(topk),
+                      int(max_tokens), str(dtype), bool(shared_expert), int(micro_batches))
+        problem = self._check_config(cfg, dtype, world)
+        self.timeout = float(timeout) if timeout is not None else self._backend.timeout_s
+        self.cfg = cfg
+        self.dtype = dtype
+        self.M, self.N = len(attention_ranks), len(ffn_ranks)
+        self.S = cfg.micro_batches
+        self.role = ("attention" if self.rank in attention_ranks else
+                     "ffn" if self.rank in ffn_ranks else None)
+        esize = torch.empty(0, dtype=dtype).element_size() if problem is None else 1
+        self._layout = _SlotLayout(cfg, esize) if problem is None else None
+        block = None
+        if problem is None:
+            nbytes = self._block_bytes()
+            try:
+                block = self._backend.empty([max(nbytes, 1)], torch.uint8) if nbytes else None
+            except Exception as e:  # heap full: every rank must hear it
+                problem = f"cannot place the channel's {nbytes} bytes in the tensor heap: {e}"
+            if block is not None:
+                block.zero_()
+        me = (problem, cfg, self._backend.arena_offset(block) if block is not None else -1)
+        every = [None] * world
+        dist.all_gather_object(every, me, group=self.group)
+        errors = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p]
+        errors += [f"rank {r} passed {c} but rank {self.rank} passed {cfg}"
+                   for r, (p, c, _) in enumerate(every) if not p and c != cfg][:1]
+        if errors:
+            if block is not None:
+                _retired.append(block)
+            raise AfdError(f"cam afd channel on rank {self.rank}: " + "; ".join(errors))
+        self._block = block
+        self._offsets = [off for _, _, off in every]
+        self._broken: str | None = None
+        self._next = 1          # number of this rank's next message (1-based, both sides)
+        self._map_peers()
+        if self.role == "attention":
+            self._a = attention_ranks.index(self.rank)
+            self._inflight: list[AfdHandle | None] = [None] * self.S
+            self._out = [torch.empty(cfg.max_tokens, cfg.hidden, dtype=dtype) for _ in range(self.S)]
+        elif self.role == "ffn":
+            self._f = ffn_ranks.index(self.rank)
+            self._pending: list[AfdTokens | None] = [None] * self.S
+            self._bufs = [None] * self.S
+            self._sources_cache: dict = {}
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_config(c: _Config, dtype, world: int) -> str | None:
+        if dtype not in _DTYPES:
+            return f"dtype must be one of float32, bfloat16, float16, got {dtype}"
+        everyone = c.attention_ranks + c.ffn_ranks
+        if not c.attention_ranks or not c.ffn_ranks:
+            return "attention_ranks and ffn_ranks must both be non-empty"
+        if len(set(everyone)) != len(everyone) or any(r < 0 or r >= world for r in everyone):
+            return (f"attention_ranks {list(c.attention_ranks)} and ffn_ranks {list(c.ffn_ranks)} must be "
+                    f"distinct ranks of the group of {world}")
+        for name in ("experts_per_rank", "hidden", "topk", "max_tokens", "micro_batches"):
+            if getattr(c, name) < 1:
+                return f"{name} must be at least 1, got {getattr(c, name)}"
+        if c.topk > c.num_experts:
+            return f"topk {c.topk} exceeds the {c.num_experts} routed experts"
+        return None
+
+    def _block_bytes(self) -> int:
+        if self.role == "attention":
+            return self.S * self._layout.bytes
+        if self.role == "ffn":
+            return self.S * self.M * _LINE + self.S * _STATUS_BYTES
+        return 0
+
+    def _map_peers(self):
+        c, L, be = self.cfg, self._layout, self._backend
+        B, K, H = c.max_tokens, c.topk, c.hidden
+        if self.role == "ffn":
+            mine = self._block
+            self._done = mine[: self.S * self.M * _LINE].view(torch.int64)      # [s * M + a] * 8
+            self._status = mine[self.S * self.M * _LINE:].view(self.S, _STATUS_BYTES)
+            # Every attention rank's slots, mapped: header words, ids, weights, scales, rows, recv.
+            self._peer_slots = []
+            for r in c.attention_ranks:
+                view = be.peer_arena_view(r, self._offsets[r], self.S * L.bytes)
+                slots = []
+                for s in range(self.S):
+                    b = view[s * L.bytes:(s + 1) * L.bytes]
+                    slots.append(self._slot_views(b))
+                self._peer_slots.append(slots)
+        if self.role == "attention":
+            mine = self._block
+            self._slots = [self._slot_views(mine[s * L.bytes:(s + 1) * L.bytes]) for s in range(self.S)]
+            self._peer_done, self._peer_status = [], []
+            for r in c.ffn_ranks:
+                view = be.peer_arena_view(r, self._offsets[r], self.S * self.M * _LINE + self.S * _STATUS_BYTES)
+                self._peer_done.append(view[: self.S * self.M * _LINE].view(torch.int64))
+                self._peer_status.append(view[self.S * self.M * _LINE:].view(self.S, _STATUS_BYTES))
+
+    def _slot_views(self, b: torch.Tensor) -> dict:
+        c, L = self.cfg, self._layout
+        B, K, H = c.max_tokens, c.topk, c.hidden
+        return {
+            "header": b[:_H_WORDS * 8].view(torch.int64),
+            "text": b[_TEXT_AT:_TEXT_AT + _TEXT],
+            "ids": b[L.ids:L.ids + B * K * 4].view(torch.int32).view(B, K),
+            "weights": b[L.weights:L.weights + B * K * 4].view(torch.float32).view(B, K),
+            "scales": b[L.scales:L.scales + B * 4].view(torch.float32),
+            "rows": b[L.rows:L.rows + B * H * self._esize()].view(self.dtype).view(B, H),
+            "qrows": b[L.rows:L.rows + B * H].view(torch.int8).view(B, H),
+            "recv": b[L.recv:L.recv + B * L.rows_per_token * H * self._esize()].view(self.dtype)
+                     .view(B, L.rows_per_token, H),
+        }
+
+    def _esize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    # ---- shared helpers ------------------------------------------------------------------------
+
+    def _where(self, op: str) -> str:
+        return f"cam afd {op} on {self.role or 'no'} rank {self.rank}"
+
+    def _check_usable(self, op: str, role: str):
+        if self._broken:
+            raise AfdError(f"{self._where(op)}: the channel is broken: {self._broken}")
+        if self.role != role:
+            raise AfdError(f"{self._where(op)}: {op} is an {role} rank's call; this rank is "
+                           f"{'an ' + self.role + ' rank' if self.role else 'in neither role'} "
+                           f"(attention ranks {list(self.cfg.attention_ranks)}, ffn ranks "
+                           f"{list(self.cfg.ffn_ranks)})")
+
+    def _wait(self, op: str, peer: int, counters: torch.Tensor, index: int, target: int, what: str):
+        why = self._backend.wait_signal(peer, counters, index, target, self.timeout)
+        if not why:
+            return
+        if why == "timeout":
+            got = _C.signal_load(counters, index)
+            self._broken = (f"rank {peer} did not {what} within {self.timeout:g} s "
+                            f"(expected message {target}, it is at {got})")
+            raise AfdTimeout(f"{self._where(op)}: {self._broken}")
+        self._broken = f"rank {peer} {why} before it could {what}"
+        raise AfdError(f"{self._where(op)}: {self._broken}")
+
+    @staticmethod
+    def _write_text(t: torch.Tensor, text: str):
+        data = text.encode()[: _TEXT - 1]
+        t.zero_()
+        if data:
+            t[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    @staticmethod
+    def _read_text(t: torch.Tensor) -> str:
+        raw = bytes(t.tolist())
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    # ---- attention side ------------------------------------------------------------------------
+
+    def send(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor | None = None, *,
+             layer: int, micro_batch: int = 0, quant: bool = False) -> AfdHandle:
+        """Post ``x`` (bs, H) with its routing (``expert_ids`` (bs, K) int, -1 = not routed;
+        ``expert_weights`` (bs, K) float, or None to give them at ``recv``). Returns at once; the
+        tensors may be reused as soon as it returns. ``quant``: per-token dynamic int8 on the way."""
+        op = "send"
+        self._check_usable(op, "attention")
+        layer, micro_batch = int(layer), int(micro_batch)
+        n = self._next
+        s = (n - 1) % self.S
+        busy = self._inflight[s]
+        if busy is not None:
+            raise AfdError(f"{self._where(op)}: layer {layer} micro-batch {micro_batch} would be message {n}, "
+                           f"but slot {s} still holds layer {busy.layer} micro-batch {busy.micro_batch} "
+                           f"(message {busy.message}): recv it first (the channel has "
+                           f"{self.S} micro-batch slots)")
+        for h in self._inflight:
+            if h is not None and (h.layer, h.micro_batch) == (layer, micro_batch):
+                raise AfdError(f"{self._where(op)}: layer {layer} micro-batch {micro_batch} is already in "
+                               f"flight (message {h.message})")
+        slot = self._slots[s]
+        if n > self.S:
+            # Every FFN rank is done with the slot's previous message (recv waited for that,
+            # unless this rank refused it).
+            for f, r in enumerate(self.cfg.ffn_ranks):
+                self._wait(op, r, self._peer_done[f], (s * self.M + self._a) * (_LINE // 8), n - self.S,
+                           f"finish message {n - self.S} of attention rank {self.rank}")
+        problem = self._check_tokens(x, expert_ids, expert_weights)
+        if problem is not None:
+            self._post(slot, n, layer, micro_batch, 0, quant, problem)
+            self._next += 1
+            raise AfdError(f"{self._where(op)}: layer {layer} micro-batch {micro_batch}: {problem}")
+        bs = x.shape[0]
+        slot["ids"][:bs].copy_(expert_ids)
+        if expert_weights is not None:
+            slot["weights"][:bs].copy_(expert_weights)
+        else:
+            slot["weights"][:bs].fill_(1.0)
+        if quant:
+            _C.afd_quantize(x.contiguous(), slot["qrows"], slot["scales"])
+        else:
+            slot["rows"][:bs].copy_(x)
+        self._post(slot, n, layer, micro_batch, bs, quant, None)
+        self._next += 1
+        h = AfdHandle(layer, micro_batch, n, bs,
+                      _weights=None if expert_weights is None else slot["weights"][:bs],
+                      _ids=slot["ids"][:bs])
+        self._inflight[s] = h
+        return h
+
+    def _check_tokens(self, x, ids, w) -> str | None:
+        c = self.cfg
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != c.hidden:
+            return f"x must be (bs, {c.hidden}), got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}"
+        if x.dtype != self.dtype:
+            return f"x must be {self.dtype} (the channel's dtype), got {x.dtype}"
+        if x.device.type != "cpu":
+            return f"x must be a CPU tensor, got one on {x.device}"
+        bs = x.shape[0]
+        if bs > c.max_tokens:
+            return f"batch of {bs} tokens exceeds the channel's max_tokens {c.max_tokens}"
+        if (not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (bs, c.topk)
+                or ids.dtype not in (torch.int32, torch.int64)):
+            return (f"expert_ids must be int32/int64 ({bs}, {c.topk}), got "
+                    f"{(tuple(ids.shape), ids.dtype) if isinstance(ids, torch.Tensor) else type(ids)}")
+        if w is not None and (not isinstance(w, torch.Tensor) or tuple(w.shape) != (bs, c.topk)
+                              or not w.dtype.is_floating_point):
+            return f"expert_weights must be float ({bs}, {c.topk}), got " \
+                   f"{(tuple(w.shape), w.dtype) if isinstance(w, torch.Tensor) else type(w)}"
+        ids32 = ids.to(torch.int32).contiguous() if ids.dtype != torch.int32 or not ids.is_contiguous() else ids
+        if ids.dtype == torch.int64 and bs and (ids.max() > 2**31 - 1 or ids.min() < -2**31):
+            return f"expert id {int(ids.abs().max())} is outside [-1, {c.num_experts})"
+        why = _C.afd_check_routing(ids32, c.num_experts)
+        return why or None
+
+    def _post(self, slot, n, layer, mb, bs, quant, refused: str | None):
+        hdr = slot["header"]
+        hdr[1:6].copy_(torch.tensor([layer, mb, bs, int(bool(quant)), 1 if refused else 0], dtype=torch.int64))
+        if refused:
+            self._write_text(slot["text"], refused)
+        _C.signal_store(hdr, _H_POSTED, n)
+
+    def recv(self, handle: AfdHandle, expert_weights: torch.Tensor | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The combined output (bs, H) of ``handle``'s tokens. ``expert_weights``: the routing
+        weights, when ``send`` had none. Without ``out`` the result is a view of the channel's
+        buffer for that slot, valid until the slot's next recv (``micro_batches`` messages on)."""
+        op = "recv"
+        self._check_usable(op, "attention")
+        s = (handle.message - 1) % self.S
+        if self._inflight[s] is not handle:
+            raise AfdError(f"{self._where(op)}: layer {handle.layer} micro-batch {handle.micro_batch} "
+                           f"(message {handle.message}) is not in flight (already received?)")
+        c = self.cfg
+        bs = handle.bs
+        weights = handle._weights
+        if expert_weights is not None:
+            if tuple(expert_weights.shape) != (bs, c.topk) or not expert_weights.dtype.is_floating_point:
+                raise AfdError(f"{self._where(op)}: expert_weights must be float ({bs}, {c.topk}), got "
+                               f"{tuple(expert_weights.shape)} {expert_weights.dtype}")
+            weights = self._slots[s]["weights"][:bs]
+            weights.copy_(expert_weights)
+        elif weights is None:
+            weights = self._slots[s]["weights"][:bs]   # 1.0 each (send had no weights)
+        if out is not None and (tuple(out.shape) != (bs, c.hidden) or not out.is_contiguous()
+                                or out.dtype not in _DTYPES):
+            raise AfdError(f"{self._where(op)}: out must be contiguous float ({bs}, {c.hidden}), got "
+                           f"{tuple(out.shape)} {out.dtype}")
+        failures = []
+        for f, r in enumerate(c.ffn_ranks):
+            what = f"return layer {handle.layer} micro-batch {handle.micro_batch} to attention rank {self.rank}"
+            try:
+                self._wait(op, r, self._peer_done[f], (s * self.M + self._a) * (_LINE // 8), handle.message, what)
+            except AfdError:
+                self._inflight[s] = None
+                raise
+            st = self._peer_status[f][s]
+            failed = int(st[:8].view(torch.int64)[0])
+            if failed == handle.message:
+                failures.append(f"ffn rank {r}: {self._read_text(st[_LINE:_LINE + _TEXT])}")
+        self._inflight[s] = None
+        handle.done = True
+        if failures:
+            raise AfdError(f"{self._where(op)}: layer {handle.layer} micro-batch {handle.micro_batch} failed: "
+                           + "; ".join(failures))
+        dst = out if out is not None else self._out[s][:bs]
+        _C.afd_combine(self._slots[s]["recv"], self._slots[s]["ids"][:bs], weights.contiguous(),
+                       c.shared_expert, dst)
+        return dst
+
+    # ---- FFN side ------------------------------------------------------------------------------
+
+    def recv_tokens(self, layer: int | None = None, micro_batch: int | None = None,
+                    quant: bool | None = None) -> AfdTokens:
+        """This FFN rank's rows of the next message from every attention rank (see AfdTokens).
+        ``layer`` / ``micro_batch`` / ``quant``, when given, must match what the attention ranks
+        sent; a mismatch raises here and on every attention rank."""
+        op = "recv_tokens"
+        self._check_usable(op, "ffn")
+        c = self.cfg
+        n = self._next
+        s = (n - 1) % self.S
+        prev = self._pending[s]
+        if prev is not None and not prev.sent:
+            raise AfdError(f"{self._where(op)}: message {n} would reuse slot {s}, which still holds layer "
+                           f"{prev.layer} micro-batch {prev.micro_batch} (message {prev.message}): "
+                           f"send_outputs for it first (the channel has {self.S} slots)")
+        heads = []
+        for a, r in enumerate(c.attention_ranks):
+            slot = self._peer_slots[a][s]
+            want = f"send message {n} (layer {layer}, micro-batch {micro_batch}) to ffn rank {self.rank}" \
+                if layer is not None else f"send message {n} to ffn rank {self.rank}"
+            try:
+                self._wait(op, r, slot["header"], _H_POSTED, n, want)
+            except AfdError as e:   # the other attention ranks hear it now, not at their timeout
+                self._fail_message(s, n, f"{e}")
+                raise
+            heads.append(slot["header"].tolist())
+        self._next += 1
+        problem = self._check_headers(heads, n, layer, micro_batch, quant)
+        if problem is not None:
+            self._fail_message(s, n, problem)
+            self._pending[s] = None
+            raise AfdError(f"{self._where(op)}: message {n}: {problem}")
+        lay, mb, q = heads[0][_H_LAYER], heads[0][_H_MB], bool(heads[0][_H_QUANT])
+        sizes = [h[_H_BS] for h in heads]
+        for a, slot_set in enumerate(self._peer_slots):   # every FFN rank judges every message alike
+            why = _C.afd_check_routing(slot_set[s]["ids"][:sizes[a]], c.num_experts)
+            if why:
+                problem = f"attention rank {c.attention_ranks[a]}: {why}"
+                self._fail_message(s, n, problem)
+                self._pending[s] = None
+                raise AfdError(f"{self._where(op)}: layer {lay} micro-batch {mb}: {problem}")
+        tokens = self._gather(s, n, lay, mb, q, sizes)
+        self._pending[s] = tokens
+        return tokens
+
+    def _check_headers(self, heads, n, layer, mb, quant) -> str | None:
+        c = self.cfg
+        for a, h in enumerate(heads):
+            if h[_H_POSTED] != n:
+                return f"attention rank {c.attention_ranks[a]} posted message {h[_H_POSTED]}, expected {n}"
+            if h[_H_REFUSED]:
+                text = self._read_text(self._peer_slots[a][(n - 1) % self.S]["text"])
+                return f"attention rank {c.attention_ranks[a]} refused layer {h[_H_LAYER]} micro-batch {h[_H_MB]}: {text}"
+        for a, h in enumerate(heads):
+            r = c.attention_ranks[a]
+            if (layer is not None and h[_H_LAYER] != layer) or (mb is not None and h[_H_MB] != mb):
+                return (f"ffn rank {self.rank} expected layer {layer} micro-batch {mb}, attention rank {r} sent "
+                        f"layer {h[_H_LAYER]} micro-batch {h[_H_MB]}")
+            if (h[_H_LAYER], h[_H_MB]) != (heads[0][_H_LAYER], heads[0][_H_MB]):
+                return (f"attention rank {c.attention_ranks[0]} sent layer {heads[0][_H_LAYER]} micro-batch "
+                        f"{heads[0][_H_MB]} but attention rank {r} sent layer {h[_H_LAYER]} micro-batch {h[_H_MB]}")
+            if h[_H_QUANT] != heads[0][_H_QUANT]:
+                return (f"attention rank {c.attention_ranks[0]} sent quant={bool(heads[0][_H_QUANT])} but "
+                        f"attention rank {r} sent quant={bool(h[_H_QUANT])}")
+            if quant is not None and bool(h[_H_QUANT]) != bool(quant):
+                return f"ffn rank {self.rank} expected quant={bool(quant)}, attention rank {r} sent quant={bool(h[_H_QUANT])}"
+            if not 0 <= h[_H_BS] <= c.max_tokens:
+                return f"attention rank {r} sent a batch of {h[_H_BS]} tokens, outside 0..{c.max_tokens}"
+        return None
+
+    def _fail_message(self, s: int, n: int, text: str):
+        """Tell every attention rank that message n failed here (status line, then done)."""
+        st = self._status[s]
+        self._write_text(st[_LINE:_LINE + _TEXT], text)
+        _C.signal_store(st[:8].view(torch.int64), 0, n)
+        for a in range(self.M):
+            _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), n)
+
+    def _groups(self) -> int:
+        return self.cfg.experts_per_rank + (1 if self.cfg.shared_expert else 0)
+
+    def _buffers(self, s: int, rows: int, quant: bool):
+        c = self.cfg
+        buf = self._bufs[s]
+        if buf is None or buf["cap"] < rows or buf["quant"] != quant:
+            cap = max(rows, c.max_tokens, 2 * buf["cap"] if buf is not None and buf["quant"] == quant else 0)
+            buf = {
+                "cap": cap, "quant": quant,
+                "rows": torch.empty(cap, c.hidden, dtype=torch.int8 if quant else self.dtype),
+                "scales": torch.empty(cap, dtype=torch.float32) if quant else None,
+                "weights": torch.empty(cap, dtype=torch.float32),
+                "info": torch.empty(cap, 3, dtype=torch.int32),
+                "counts": torch.zeros(self._groups(), dtype=torch.int64),
+            }
+            self._bufs[s] = buf
+        return buf
+
+    def _gather(self, s, n, layer, mb, quant, sizes) -> AfdTokens:
+        c = self.cfg
+        key = (s, quant, tuple(sizes))
+        sources = self._sources_cache.get(key)
+        if sources is None:
+            sources = []
+            for a, bs in enumerate(sizes):
+                v = self._peer_slots[a][s]
+                sources.append((v["ids"][:bs], v["weights"][:bs], v["qrows" if quant else "rows"][:bs],
+                                v["scales"][:bs] if quant else None, bs))
+            if len(self._sources_cache) > 64:
+                self._sources_cache.clear()
+            self._sources_cache[key] = sources
+        buf = self._buffers(s, 0, quant)
+        while True:
+            got = _C.afd_gather(sources, c.topk, c.num_experts, self._f * c.experts_per_rank,
+                                c.experts_per_rank, c.shared_expert, self._f, self.N, buf["rows"],
+                                buf["scales"], buf["weights"], buf["info"], buf["counts"])
+            if got >= 0:
+                break
+            buf = self._buffers(s, -got - 1, quant)
+        first = self._f * c.experts_per_rank
+        tokens = AfdTokens(layer, mb, buf["rows"][:got], buf["scales"][:got] if quant else None,
+                           buf["counts"], buf["weights"][:got], buf["info"][:got], sizes, n)
+        return tokens
+
+    def expert_ids(self, tokens: AfdTokens) -> torch.Tensor:
+        """Global expert id of each of ``tokens``' rows (-1: a shared-expert row)."""
+        c = self.cfg
+        groups = torch.arange(self._groups(), dtype=torch.int64).repeat_interleave(tokens.counts)
+        ids = groups + self._f * c.experts_per_rank
+        if c.shared_expert:
+            ids[groups == c.experts_per_rank] = -1
+        return ids
+
+    def send_outputs(self, expert_out: torch.Tensor, tokens: AfdTokens) -> None:
+        """Return the expert outputs of ``tokens`` (one row per received row, same order, the
+        channel's dtype) to the attention ranks."""
+        op = "send_outputs"
+        self._check_usable(op, "ffn")
+        c = self.cfg
+        s = (tokens.message - 1) % self.S
+        if self._pending[s] is not tokens or tokens.sent:
+            raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch} "
+                           f"(message {tokens.message}) is not awaiting outputs (already sent?)")
+        n_rows = tokens.rows.shape[0]
+        problem = None
+        if not isinstance(expert_out, torch.Tensor) or tuple(expert_out.shape) != (n_rows, c.hidden):
+            problem = (f"expert outputs must be ({n_rows}, {c.hidden}) (one row per received row), got "
+                       f"{tuple(expert_out.shape) if isinstance(expert_out, torch.Tensor) else type(expert_out)}")
+        elif expert_out.dtype != self.dtype:
+            problem = f"expert outputs must be {self.dtype} (the channel's dtype), got {expert_out.dtype}"
+        elif expert_out.device.type != "cpu":
+            problem = f"expert outputs must be CPU tensors, got one on {expert_out.device}"
+        tokens.sent = True
+        if problem is not None:
+            self._fail_message(s, tokens.message, f"layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
+            raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
+        dest = [self._peer_slots[a][s]["recv"] for a in range(self.M)]
+        _C.afd_scatter(expert_out.contiguous(), tokens.source, dest, tokens.batch_sizes, self._layout.rows_per_token)
+        for a in range(self.M):   # signal_store fences the copies before each counter
+            _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), tokens.message)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    def close(self):
+        """Drop the channel (local). Its memory stays mapped until the process exits, so a peer
+        still finishing a message never reads freed pages."""
+        if self._block is not None:
+            _retired.append(self._block)
+            self._block = None
+        self._broken = self._broken or "closed"
+
+    def __del__(self):
+        blk = getattr(self, "_block", None)
+        if blk is not None:
+            _retired.append(blk)
+
