@@ -1,5 +1,5 @@
 # Two entry points that work on a fresh machine (Python 3.10+, a C++ compiler, cmake):
-#   make demo   set up, build, run examples/demo.py, moe_layer.py and rl_weight_sync.py on 4 ranks,
+#   make demo   set up, build, run examples/demo.py, moe_layer.py, rl_weight_sync.py and afd_decode.py on 4 ranks,
 #               kv_transfer.py on 2
 #   make test   set up, build, run the test suite
 PYTHON ?= python3
@@ -27,6 +27,7 @@ demo: build
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) examples/moe_layer.py
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/kv_transfer.py
 	$(VENV)/bin/torchrun --nproc-per-node 4 examples/rl_weight_sync.py
+	$(VENV)/bin/torchrun --nproc-per-node 4 examples/afd_decode.py
 
 test: build
 	bash tests/run_all.sh $(PY)

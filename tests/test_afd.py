@@ -277,6 +277,70 @@ def _dead_worker(rank, world, init_file, spec, who, how):
     return err + (again,)
 
 
+def _cam_names_worker(rank, world, init_file):
+    """CAM's a2e / e2a (expert ranks first, one expert each) and the split async ops
+    (attention ranks first), against the reference."""
+    from torch_cam import afd, afd_reference
+    _init(rank, world, init_file)
+    pg = dist.group.WORLD
+    H, K, bs = 32, 2, 6
+    # a2e / e2a: ranks 0, 1 experts; 2, 3 attention.
+    spec = dict(hidden=H, topk=K, experts_per_rank=1, ffn=[0, 1], attn=[2, 3], dtype=torch.bfloat16, bs=[bs, bs])
+    for step in range(2):
+        data = [batch(dict(spec, seed=step), a, 0, 0) for a in range(2)]
+        if rank >= 2:
+            x, ids, w = data[rank - 2]
+            outs = afd.a2e(x, ids, w, bs, H, K, 2, 2, rank, pg.group_name, aiv_num=4)
+            assert outs[3].tolist() == [bs]
+            got = afd.e2a(x, outs[3], bs, H, K, 2, 2, rank, pg.group_name)
+            want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
+                                          lambda e, r, s: r.float())[rank - 2]
+            assert torch.equal(got, want), f"a2e/e2a step {step}: differs"
+        else:
+            ph = torch.empty(0, H, dtype=torch.bfloat16)
+            expand_x, eids, scales, sizes, mask = afd.a2e(ph, torch.empty(0, K, dtype=torch.int32), torch.empty(0, K),
+                                                          bs, H, K, 2, 2, rank, pg.group_name)
+            assert sizes.tolist() == [bs, bs] and bool((eids == rank).all()) and mask.shape[0] == expand_x.shape[0]
+            afd.e2a(expand_x.clone(), sizes, bs, H, K, 2, 2, rank, pg.group_name)
+    # Split ops: ranks 0, 1 attention; 2, 3 moe with 3 experts each; two layers, two dispatches
+    # in flight.
+    spec = dict(hidden=H, topk=K, experts_per_rank=3, ffn=[2, 3], attn=[0, 1], dtype=torch.float16, bs=[bs, bs])
+    common = dict(moe_rank_num=2, attn_rank_num=2, route_expert_num_per_moe=3, world_size=4)
+    anchor = torch.zeros(1, dtype=torch.float16)
+    for layer in range(2):
+        if rank < 2:
+            sent = []
+            for mb in range(2):
+                x, ids, w = batch(spec, rank, layer, mb)
+                afd.moe_dispatch_send_async(x, ids, anchor, 0, max_seq_len=bs, batch_size=bs, hidden_size=H,
+                                            top_k=K, attn_rank_id=rank, layer_index=layer, tp_size=1,
+                                            dynamic_quant=0, group_name=pg.group_name, **common)
+                sent.append(mb)
+            for mb in sent:
+                data = [batch(spec, a, layer, mb) for a in range(2)]
+                got = afd.moe_combine_recv_async(anchor, data[rank][1], data[rank][2], anchor, 0, bs, H, K,
+                                                 attn_rank_id=rank, group_name=pg.group_name, **common)
+                want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
+                                              expert_fn)[rank]
+                assert torch.equal(got, want), f"split ops layer {layer} mb {mb}: differs"
+        else:
+            for mb in range(2):
+                rows, scales, info, counts = afd.moe_dispatch_recv_async(
+                    anchor, anchor, 0, bs, H, K, moe_rank_id=rank, tp_size=1, dynamic_quant=0,
+                    group_name=pg.group_name, **common)
+                assert int(info[1]) == layer and int(counts.sum()) == rows.shape[0]
+                out = torch.empty_like(rows)
+                start = 0
+                for j, c in enumerate(counts.tolist()):
+                    out[start:start + c] = expert_fn((rank - 2) * 3 + j, rows[start:start + c], None)
+                    start += c
+                afd.moe_combine_send_async(out, anchor, info, 0, bs, H, K, moe_rank_id=rank, tp_size=1,
+                                           group_name=pg.group_name, **common)
+    dist.barrier()
+    dist.destroy_process_group()
+    return "ok"
+
+
 BASE = dict(hidden=64, topk=2, experts_per_rank=4, max_tokens=16, dtype=torch.float32, layers=3,
             micro_batches=2)
 
@@ -307,6 +371,10 @@ class AfdExchangeTest(unittest.TestCase):
         # 64 experts, tokens only routed to experts of ffn ranks 0 and 1: ffn ranks 2 and 3 get none.
         self.run_spec(6, dict(BASE, attn=[0, 1], ffn=[2, 3, 4, 5], dtype=torch.bfloat16, experts_per_rank=16,
                               topk=8, expert_pool=list(range(32)), bs=[[16, 4], [8, 16]], shared=True), deadline=180)
+
+
+    def test_cam_names(self):
+        assert_all_ok(self, run_ranks(_cam_names_worker, 4, deadline_s=120))
 
 
 class AfdErrorTest(unittest.TestCase):

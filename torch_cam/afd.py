@@ -622,3 +622,181 @@ class AfdChannel:
         if blk is not None:
             _retired.append(blk)
 
+
+# ---- CAM's names ---------------------------------------------------------------------------------
+# umdk_cam_op_lib's AFD ops with their arguments. They keep no handle in the caller's hands, so
+# each channel keeps its messages in order: a receive completes the oldest message in flight.
+# Channels are created on first use (collectively: every rank of the group reaches its first
+# call) and cached per group and shape. Only tp_size 1; comm_args, comm_id and aiv_num are
+# accepted and ignored (they size NPU resources).
+
+@dataclass
+class _CamState:
+    channel: AfdChannel
+    inflight: list = dataclasses.field(default_factory=list)   # handles or tokens, oldest first
+    messages: int = 0
+
+
+_cam_states: dict = {}
+
+
+def _resolve_group(group):
+    if isinstance(group, str):
+        return dist.distributed_c10d._resolve_process_group(group)
+    return group if group is not None else dist.group.WORLD
+
+
+def _cam_state(group, attention_ranks, ffn_ranks, experts_per_rank, hidden, topk, max_tokens, dtype,
+               tp_size=1) -> _CamState:
+    if int(tp_size) != 1:
+        raise AfdError(f"cam afd: tp_size {tp_size} is not supported (only 1)")
+    pg = _resolve_group(group)
+    key = (pg.group_name, tuple(attention_ranks), tuple(ffn_ranks), int(experts_per_rank), int(hidden), int(topk),
+           int(max_tokens), dtype)
+    st = _cam_states.get(key)
+    if st is None:
+        st = _CamState(AfdChannel(pg, attention_ranks=attention_ranks, ffn_ranks=ffn_ranks,
+                                  experts_per_rank=experts_per_rank, hidden=hidden, topk=topk,
+                                  max_tokens=max_tokens, dtype=dtype))
+        _cam_states[key] = st
+    return st
+
+
+def _check_world(pg, world_size):
+    if int(world_size) != dist.get_world_size(pg):
+        raise AfdError(f"cam afd: world_size {world_size} is not the group's size {dist.get_world_size(pg)}")
+
+
+def _cam_send(st: _CamState, x, expert_ids, weights, layer, quant) -> None:
+    # Two micro-batches of one layer in flight need distinct keys: number them per layer.
+    mb = sum(1 for h in st.inflight if h.layer == layer)
+    st.inflight.append(st.channel.send(x, expert_ids, weights, layer=layer, micro_batch=mb, quant=bool(quant)))
+
+
+def _cam_oldest(st: _CamState, what: str):
+    if not st.inflight:
+        raise AfdError(f"cam afd {what} on rank {st.channel.rank}: no message in flight")
+    return st.inflight.pop(0)
+
+
+def a2e(x, expert_ids, scales, batch_size, hidden_size, topk, expert_rank_size, atten_rank_size, rank,
+        group_ep, aiv_num=0, compute_gate=1):
+    """CAM's attention-to-expert op. Ranks below ``expert_rank_size`` are expert ranks (one
+    expert each: expert e on rank e) and pass empty placeholders; the others are attention
+    ranks. Attention side returns placeholders and ``atten_batch_size`` = [bs]; expert side
+    returns ``(expand_x, expert id per row, weight per row, batch size per attention rank,
+    x_active_mask)``."""
+    pg = _resolve_group(group_ep)
+    W = int(expert_rank_size) + int(atten_rank_size)
+    _check_world(pg, W)
+    experts = list(range(int(expert_rank_size)))
+    st = _cam_state(pg, list(range(int(expert_rank_size), W)), experts, 1, hidden_size, topk, batch_size, x.dtype)
+    ch = st.channel
+    if ch.role == "attention":
+        _cam_send(st, x, expert_ids, scales, st.messages, False)
+        st.messages += 1
+        empty = x.new_empty(0, int(hidden_size))
+        return (empty, torch.empty(0, dtype=torch.int32), torch.empty(0), torch.tensor([x.shape[0]]),
+                torch.ones(x.shape[0], dtype=torch.bool))
+    tok = ch.recv_tokens()
+    st.inflight.append(tok)
+    return (tok.rows, ch.expert_ids(tok).to(torch.int32), tok.weights, torch.tensor(tok.batch_sizes),
+            torch.ones(tok.rows.shape[0], dtype=torch.bool))
+
+
+def e2a(expand_x, atten_batch_size, batch_size, hidden_size, topk, expert_rank_size, attention_rank_size, rank,
+        group_ep, aiv_num=0):
+    """CAM's expert-to-attention op: the expert side returns its rows of the oldest a2e, the
+    attention side receives the weighted sum (bs, H) of its oldest a2e."""
+    pg = _resolve_group(group_ep)
+    W = int(expert_rank_size) + int(attention_rank_size)
+    st = _cam_state(pg, list(range(int(expert_rank_size), W)), list(range(int(expert_rank_size))), 1,
+                    hidden_size, topk, batch_size, expand_x.dtype)
+    if st.channel.role == "attention":
+        return st.channel.recv(_cam_oldest(st, "e2a")).clone()
+    tok = _cam_oldest(st, "e2a")
+    st.channel.send_outputs(expand_x[: tok.rows.shape[0]], tok)
+    return expand_x.new_empty(0, int(hidden_size))
+
+
+def _split_state(group_name, x_dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                 route_expert_num_per_moe, world_size, tp_size):
+    pg = _resolve_group(group_name)
+    _check_world(pg, world_size)
+    A, F = int(attn_rank_num), int(moe_rank_num)
+    return _cam_state(pg, list(range(A)), list(range(A, A + F)), route_expert_num_per_moe, hidden_size, top_k,
+                      int(max_seq_len) // max(int(tp_size), 1), x_dtype, tp_size)
+
+
+def dispatch_send_async(x, expert_ids, comm_args, comm_id, max_seq_len, batch_size, hidden_size, top_k,
+                        moe_rank_num, attn_rank_num, route_expert_num_per_moe, attn_rank_id, world_size,
+                        layer_index, tp_size=1, dynamic_quant=0, group_name=None):
+    """CAM's split dispatch send (attention ranks 0 .. attn_rank_num - 1): posts x and returns
+    at once. Weights come with combine_recv_async."""
+    st = _split_state(group_name, x.dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                      route_expert_num_per_moe, world_size, tp_size)
+    if int(batch_size) != x.shape[0]:
+        raise AfdError(f"cam afd dispatch_send_async: batch_size {batch_size} but x has {x.shape[0]} rows")
+    _cam_send(st, x, expert_ids, None, int(layer_index), dynamic_quant)
+    return torch.zeros(1, dtype=torch.int8)
+
+
+def dispatch_recv_async(x, comm_args, comm_id, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                        route_expert_num_per_moe, moe_rank_id, world_size, tp_size=1, dynamic_quant=0,
+                        group_name=None):
+    """CAM's split dispatch receive (FFN ranks attn_rank_num ..): ``[expanded (n, H), scales,
+    batch_info, counts]``; batch_info (int64[5 + tp_size + experts]) is
+    [message, layer, micro-batch, rows, attention ranks, total tokens, counts...]."""
+    st = _split_state(group_name, x.dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                      route_expert_num_per_moe, world_size, tp_size)
+    tok = st.channel.recv_tokens(quant=bool(dynamic_quant))
+    st.inflight.append(tok)
+    info = torch.tensor([tok.message, tok.layer, tok.micro_batch, tok.rows.shape[0], len(tok.batch_sizes),
+                         sum(tok.batch_sizes)] + tok.counts.tolist(), dtype=torch.int64)
+    scales = tok.scales if tok.scales is not None else torch.zeros(1)
+    return [tok.rows, scales, info, tok.counts.clone()]
+
+
+def combine_send_async(expand_x, comm_args, batch_info, comm_id, max_seq_len, hidden_size, top_k, moe_rank_num,
+                       attn_rank_num, route_expert_num_per_moe, moe_rank_id, world_size, tp_size=1,
+                       group_name=None):
+    """CAM's split combine send: the expert outputs of the message batch_info names (its first
+    rows; they must be the oldest received message)."""
+    st = _split_state(group_name, expand_x.dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                      route_expert_num_per_moe, world_size, tp_size)
+    tok = _cam_oldest(st, "combine_send_async")
+    if int(batch_info[0]) != tok.message:
+        st.inflight.insert(0, tok)
+        raise AfdError(f"cam afd combine_send_async on rank {st.channel.rank}: batch_info names message "
+                       f"{int(batch_info[0])}, the oldest received is {tok.message}")
+    st.channel.send_outputs(expand_x[: tok.rows.shape[0]], tok)
+    return torch.zeros(1, dtype=torch.int8)
+
+
+def combine_recv_async(expand_x, expert_ids, expert_scales, comm_args, comm_id, batch_size, hidden_size, top_k,
+                       moe_rank_num, attn_rank_num, route_expert_num_per_moe, attn_rank_id, world_size,
+                       group_name=None, max_seq_len=None):
+    """CAM's split combine receive: (batch_size, H), the oldest dispatch's tokens combined with
+    ``expert_scales``. ``max_seq_len`` (an extension): when the channel was created with one
+    other than batch_size."""
+    st = None
+    for key, s in _cam_states.items():   # the channel dispatch_send_async created
+        if (key[0] == _resolve_group(group_name).group_name and key[1] == tuple(range(int(attn_rank_num)))
+                and key[3:6] == (int(route_expert_num_per_moe), int(hidden_size), int(top_k))
+                and (max_seq_len is None or key[6] == int(max_seq_len)) and key[7] == expand_x.dtype):
+            st = s
+            break
+    if st is None:
+        raise AfdError("cam afd combine_recv_async: no dispatch_send_async of this shape was sent")
+    h = _cam_oldest(st, "combine_recv_async")
+    if int(batch_size) != h.bs:
+        st.inflight.insert(0, h)
+        raise AfdError(f"cam afd combine_recv_async on rank {st.channel.rank}: batch_size {batch_size}, the "
+                       f"oldest dispatch sent {h.bs} tokens")
+    return st.channel.recv(h, expert_scales).clone()
+
+
+moe_dispatch_send_async = dispatch_send_async
+moe_dispatch_recv_async = dispatch_recv_async
+moe_combine_send_async = combine_send_async
+moe_combine_recv_async = combine_recv_async
