@@ -14,8 +14,10 @@ common start, median over samples of 4 layers each:
   whole group: sort the (token, expert) pairs by expert, exchange counts, rows and expert ids,
   group per expert on the FFN rank, send the outputs back the same way, un-permute and sum the
   weighted rows; over a gloo group and over a cam group;
-- memcpy bound: every rank copying, all at once, the bytes it copies in the cam exchange
-  (attention: its rows once and the rows it sums; FFN: its rows in and out).
+- memcpy bound: every rank copying, all at once, the bytes it writes in the cam exchange
+  (attention: its posted rows and its output; FFN: its grouped rows and one fp32 partial-sum row
+  per token it serves); the slowest rank's time. The exchange is a chain (post, pull, sum, sum),
+  so it cannot reach this bound within one layer.
 Hidden: with two micro-batches in a ping-pong and a simulated compute (a sleep: the host cores
 stay free, as with compute on an accelerator) as long as one exchange between each send and its
 recv, 1 - (time - compute) / (exchange time without overlap).
@@ -119,7 +121,6 @@ def worker(rank, world, store_path, cfg, result_path):
         g = torch.Generator().manual_seed(rank)
         x = (torch.randn(bs, H, generator=g)).to(DTYPE) if a is not None else None
         routes = [routing(rank, bs, E, l) for l in range(LAYERS)] if a is not None else None
-        moved = [0]
 
         def cam_layers():
             for l in range(LAYERS):
@@ -127,20 +128,23 @@ def worker(rank, world, store_path, cfg, result_path):
                     ch.recv(ch.send(x, routes[l][0], routes[l][1], layer=l))
                 else:
                     tok = ch.recv_tokens(layer=l)
-                    moved[0] = 2 * tok.rows.numel() * tok.rows.element_size()
                     ch.send_outputs(tok.rows, tok)
 
         t_cam = timed(cam_layers, gloo, cfg["samples"]) / LAYERS
         # Correctness of the timed exchange: identity experts give sum_k w_k * x.
+        # Bytes each rank writes in the exchange: attention its posted rows and its output; FFN
+        # the grouped rows and one fp32 partial row per (token, this rank) it serves.
         if a is not None:
             got = ch.recv(ch.send(x, routes[0][0], routes[0][1], layer=0))
             ok = torch.allclose(got.float(), x.float(), atol=2e-2, rtol=2e-2)
+            copy_bytes = 2 * bs * H * 2
         else:
             tok = ch.recv_tokens(layer=0)
             ch.send_outputs(tok.rows, tok)
             ok = True
+            pairs = torch.unique(tok.source[:, 0].long() * bs + tok.source[:, 1].long()).numel()
+            copy_bytes = tok.rows.numel() * tok.rows.element_size() + pairs * H * 4
         ok = _harness.all_ok(ok, gloo)
-        copy_bytes = moved[0] if a is None else bs * H * 2 * (1 + TOPK)
 
         def a2a_layers(group):
             def run():

@@ -117,6 +117,7 @@ def _exchange_worker(rank, world, init_file, spec):
     L, MB = spec["layers"], spec["micro_batches"]
     quant = spec.get("quant", False)
     M = len(spec["attn"])
+    placement = dict(experts_per_rank=spec["experts_per_rank"], num_ffn=len(spec["ffn"]))
     checked = 0
     if rank in spec["attn"]:
         a = spec["attn"].index(rank)
@@ -125,15 +126,18 @@ def _exchange_worker(rank, world, init_file, spec):
         def finish(layer, mb):
             nonlocal checked
             data = [batch(spec, b, layer, mb) for b in range(M)]
-            want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
-                                          expert_fn, shared_expert=spec.get("shared", False), quant=quant)[a]
-            got = ch.recv(handles.pop((layer, mb)))
+            ws = [d[2] for d in data]
+            at_recv = spec.get("weights_at_recv", False)
+            want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [None] * M if at_recv else ws,
+                                          expert_fn, shared_expert=spec.get("shared", False), quant=quant,
+                                          weights_at_recv=ws, **placement)[a]
+            got = ch.recv(handles.pop((layer, mb)), ws[a] if at_recv else None)
             if not torch.equal(got, want):
                 raise AssertionError(f"attention rank {rank} layer {layer} mb {mb}: max diff "
                                      f"{(got.float() - want.float()).abs().max()}")
             if quant:   # and within the quantization bound of the unquantized layer
-                exact = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
-                                               expert_fn, shared_expert=spec.get("shared", False))[a]
+                exact = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], ws, expert_fn,
+                                               shared_expert=spec.get("shared", False), **placement)[a]
                 scale = data[a][0].float().abs().amax(dim=1, keepdim=True) / 127
                 bound = scale * 0.5 * 4.0 + 0.02 * exact.float().abs() + 1e-3   # half a step times |gain|+|w|
                 assert bool(((got.float() - exact.float()).abs() <= bound).all()), "int8 beyond its bound"
@@ -144,7 +148,8 @@ def _exchange_worker(rank, world, init_file, spec):
                 if layer > 0:
                     finish(layer - 1, mb)
                 x, ids, w = batch(spec, a, layer, mb)
-                handles[(layer, mb)] = ch.send(x, ids, w, layer=layer, micro_batch=mb, quant=quant)
+                handles[(layer, mb)] = ch.send(x, ids, None if spec.get("weights_at_recv") else w, layer=layer,
+                                               micro_batch=mb, quant=quant)
         for mb in range(MB):
             finish(L - 1, mb)
     else:
@@ -294,7 +299,7 @@ def _cam_names_worker(rank, world, init_file):
             assert outs[3].tolist() == [bs]
             got = afd.e2a(x, outs[3], bs, H, K, 2, 2, rank, pg.group_name)
             want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
-                                          lambda e, r, s: r.float())[rank - 2]
+                                          lambda e, r, s: r.float(), experts_per_rank=1, num_ffn=2)[rank - 2]
             assert torch.equal(got, want), f"a2e/e2a step {step}: differs"
         else:
             ph = torch.empty(0, H, dtype=torch.bfloat16)
@@ -320,8 +325,9 @@ def _cam_names_worker(rank, world, init_file):
                 data = [batch(spec, a, layer, mb) for a in range(2)]
                 got = afd.moe_combine_recv_async(anchor, data[rank][1], data[rank][2], anchor, 0, bs, H, K,
                                                  attn_rank_id=rank, group_name=pg.group_name, **common)
-                want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [d[2] for d in data],
-                                              expert_fn)[rank]
+                want = afd_reference.exchange([d[0] for d in data], [d[1] for d in data], [None, None], expert_fn,
+                                              weights_at_recv=[d[2] for d in data], experts_per_rank=3,
+                                              num_ffn=2)[rank]
                 assert torch.equal(got, want), f"split ops layer {layer} mb {mb}: differs"
         else:
             for mb in range(2):
@@ -358,6 +364,11 @@ class AfdExchangeTest(unittest.TestCase):
     def test_2to2_bf16_interleaved_ranks(self):
         self.run_spec(4, dict(BASE, attn=[1, 3], ffn=[0, 2], dtype=torch.bfloat16, shared=True,
                               bs=[[16, 5], [3, 16]], topk=3, weight_dtype=torch.bfloat16))
+
+    def test_2to2_weights_at_recv(self):
+        # Rows travel back unsummed; the attention rank weights them (CAM's split ops do this).
+        self.run_spec(4, dict(BASE, attn=[0, 1], ffn=[2, 3], dtype=torch.bfloat16, shared=True, bs=[[16, 3], [0, 9]],
+                              weights_at_recv=True, unrouted=0.2))
 
     def test_2to2_int8(self):
         self.run_spec(4, dict(BASE, attn=[0, 1], ffn=[2, 3], dtype=torch.bfloat16, shared=True, quant=True,

@@ -22,9 +22,10 @@ FFN side::
 How bytes move on one host (docs/afd.md): ``send`` writes the tokens (or their per-token int8
 with ``quant=True``), ids and weights into this rank's slot of the channel in its tensor heap and
 raises the slot's counter; every FFN rank pulls the rows of its experts straight from there into
-its grouped buffer; ``send_outputs`` writes each expert output row straight into the owning
-attention rank's receive area and raises a done counter; ``recv`` sums a token's rows in one
-pass. Nothing is allocated per call once buffers have grown to the largest batch seen; the only
+its grouped buffer; ``send_outputs`` sums each token's weighted expert outputs in fp32 and writes
+that partial row straight into the owning attention rank's receive area, then raises a done
+counter; ``recv`` adds a token's partials in one pass. (Weights given only at ``recv``: the rows
+themselves travel back and ``recv`` weights them.) Nothing is allocated per call once buffers have grown to the largest batch seen; the only
 synchronisation is those counters, so an attention rank computes micro-batch k+1 while the FFN
 ranks work on k.
 
@@ -55,7 +56,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LINE = 64          # one counter per cache line
 _TEXT = 448         # bytes of an error text in a header or status line
 # Attention slot header: int64 words (word 0 is the posted counter, written last).
-_H_POSTED, _H_LAYER, _H_MB, _H_BS, _H_QUANT, _H_REFUSED, _H_WORDS = 0, 1, 2, 3, 4, 5, 8
+_H_POSTED, _H_LAYER, _H_MB, _H_BS, _H_QUANT, _H_REFUSED, _H_WEIGHTED, _H_WORDS = 0, 1, 2, 3, 4, 5, 6, 8
 _HEADER_BYTES = 1024  # words, then the refusal text at byte 512
 _TEXT_AT = 512
 # FFN status line per slot: word 0 = the message it failed (0: none), text from byte 64.
@@ -105,8 +106,11 @@ class _SlotLayout:
         self.weights = self.ids + _align(B * K * 4)
         self.scales = self.weights + _align(B * K * 4)
         self.rows = self.scales + _align(B * 4)
+        # The receive area holds either the FFN ranks' fp32 partial sums (B, N, H) or, when the
+        # weights come only at recv, the expert rows themselves (B, K + shared, H).
         self.recv = self.rows + _align(B * H * esize)
-        self.bytes = self.recv + _align(B * self.rows_per_token * H * esize)
+        self.recv_bytes = B * H * max(len(c.ffn_ranks) * 4, self.rows_per_token * esize)
+        self.bytes = self.recv + _align(self.recv_bytes)
 
 
 @dataclass
@@ -116,6 +120,7 @@ class AfdHandle:
     micro_batch: int
     message: int
     bs: int
+    weighted: bool = True   # weights came with send: the FFN ranks pre-summed
     _weights: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     _ids: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     done: bool = False
@@ -130,7 +135,8 @@ class AfdTokens:
     if the channel has one), inside a group by (attention rank, token); int8 when the attention
     ranks quantized, with ``scales`` (n,) float32 (row i ~= rows[i] * scales[i]). ``counts``
     (groups,) int64: rows per group. ``weights`` (n,): the routing weight of each row (1 for a
-    shared-expert row; informational: the attention rank applies it). ``source`` (n, 3) int32:
+    shared-expert row), which ``send_outputs`` applies when it pre-sums (``weighted``: the
+    attention ranks sent weights; otherwise they apply them at ``recv``). ``source`` (n, 3) int32:
     (attention index, token, k) of each row, k = topk for a shared-expert row.
     ``batch_sizes``: each attention rank's batch."""
     layer: int
@@ -143,6 +149,8 @@ class AfdTokens:
     batch_sizes: list
     message: int
     sent: bool = False
+    weighted: bool = True
+    _token_rows: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
 
 class AfdChannel:
@@ -270,6 +278,7 @@ class AfdChannel:
             "qrows": b[L.rows:L.rows + B * H].view(torch.int8).view(B, H),
             "recv": b[L.recv:L.recv + B * L.rows_per_token * H * self._esize()].view(self.dtype)
                      .view(B, L.rows_per_token, H),
+            "partials": b[L.recv:L.recv + B * self.N * H * 4].view(torch.float32).view(B, self.N, H),
         }
 
     def _esize(self) -> int:
@@ -344,7 +353,7 @@ class AfdChannel:
                            f"finish message {n - self.S} of attention rank {self.rank}")
         problem = self._check_tokens(x, expert_ids, expert_weights)
         if problem is not None:
-            self._post(slot, n, layer, micro_batch, 0, quant, problem)
+            self._post(slot, n, layer, micro_batch, 0, quant, expert_weights is not None, problem)
             self._next += 1
             raise AfdError(f"{self._where(op)}: layer {layer} micro-batch {micro_batch}: {problem}")
         bs = x.shape[0]
@@ -357,9 +366,9 @@ class AfdChannel:
             _C.afd_quantize(x.contiguous(), slot["qrows"], slot["scales"])
         else:
             slot["rows"][:bs].copy_(x)
-        self._post(slot, n, layer, micro_batch, bs, quant, None)
+        self._post(slot, n, layer, micro_batch, bs, quant, expert_weights is not None, None)
         self._next += 1
-        h = AfdHandle(layer, micro_batch, n, bs,
+        h = AfdHandle(layer, micro_batch, n, bs, weighted=expert_weights is not None,
                       _weights=None if expert_weights is None else slot["weights"][:bs],
                       _ids=slot["ids"][:bs])
         self._inflight[s] = h
@@ -390,9 +399,10 @@ class AfdChannel:
         why = _C.afd_check_routing(ids32, c.num_experts)
         return why or None
 
-    def _post(self, slot, n, layer, mb, bs, quant, refused: str | None):
+    def _post(self, slot, n, layer, mb, bs, quant, weighted, refused: str | None):
         hdr = slot["header"]
-        hdr[1:6].copy_(torch.tensor([layer, mb, bs, int(bool(quant)), 1 if refused else 0], dtype=torch.int64))
+        hdr[1:7].copy_(torch.tensor([layer, mb, bs, int(bool(quant)), 1 if refused else 0, int(bool(weighted))],
+                                    dtype=torch.int64))
         if refused:
             self._write_text(slot["text"], refused)
         _C.signal_store(hdr, _H_POSTED, n)
@@ -411,6 +421,9 @@ class AfdChannel:
         c = self.cfg
         bs = handle.bs
         weights = handle._weights
+        if expert_weights is not None and handle.weighted:
+            raise AfdError(f"{self._where(op)}: layer {handle.layer} micro-batch {handle.micro_batch} had its "
+                           f"weights at send (the FFN ranks applied them); pass them at one place only")
         if expert_weights is not None:
             if tuple(expert_weights.shape) != (bs, c.topk) or not expert_weights.dtype.is_floating_point:
                 raise AfdError(f"{self._where(op)}: expert_weights must be float ({bs}, {c.topk}), got "
@@ -441,8 +454,12 @@ class AfdChannel:
             raise AfdError(f"{self._where(op)}: layer {handle.layer} micro-batch {handle.micro_batch} failed: "
                            + "; ".join(failures))
         dst = out if out is not None else self._out[s][:bs]
-        _C.afd_combine(self._slots[s]["recv"], self._slots[s]["ids"][:bs], weights.contiguous(),
-                       c.shared_expert, dst)
+        if handle.weighted:
+            _C.afd_combine_partials(self._slots[s]["partials"], self._slots[s]["ids"][:bs], c.experts_per_rank,
+                                    c.shared_expert, dst)
+        else:
+            _C.afd_combine(self._slots[s]["recv"], self._slots[s]["ids"][:bs], weights.contiguous(),
+                           c.shared_expert, dst)
         return dst
 
     # ---- FFN side ------------------------------------------------------------------------------
@@ -479,7 +496,7 @@ class AfdChannel:
             self._fail_message(s, n, problem)
             self._pending[s] = None
             raise AfdError(f"{self._where(op)}: message {n}: {problem}")
-        lay, mb, q = heads[0][_H_LAYER], heads[0][_H_MB], bool(heads[0][_H_QUANT])
+        lay, mb, q, weighted = heads[0][_H_LAYER], heads[0][_H_MB], bool(heads[0][_H_QUANT]), bool(heads[0][_H_WEIGHTED])
         sizes = [h[_H_BS] for h in heads]
         for a, slot_set in enumerate(self._peer_slots):   # every FFN rank judges every message alike
             why = _C.afd_check_routing(slot_set[s]["ids"][:sizes[a]], c.num_experts)
@@ -489,6 +506,7 @@ class AfdChannel:
                 self._pending[s] = None
                 raise AfdError(f"{self._where(op)}: layer {lay} micro-batch {mb}: {problem}")
         tokens = self._gather(s, n, lay, mb, q, sizes)
+        tokens.weighted = weighted
         self._pending[s] = tokens
         return tokens
 
@@ -508,6 +526,9 @@ class AfdChannel:
             if (h[_H_LAYER], h[_H_MB]) != (heads[0][_H_LAYER], heads[0][_H_MB]):
                 return (f"attention rank {c.attention_ranks[0]} sent layer {heads[0][_H_LAYER]} micro-batch "
                         f"{heads[0][_H_MB]} but attention rank {r} sent layer {h[_H_LAYER]} micro-batch {h[_H_MB]}")
+            if h[_H_WEIGHTED] != heads[0][_H_WEIGHTED]:
+                return (f"attention rank {c.attention_ranks[0]} sent {'' if heads[0][_H_WEIGHTED] else 'no '}weights "
+                        f"but attention rank {r} sent {'' if h[_H_WEIGHTED] else 'none'}")
             if h[_H_QUANT] != heads[0][_H_QUANT]:
                 return (f"attention rank {c.attention_ranks[0]} sent quant={bool(heads[0][_H_QUANT])} but "
                         f"attention rank {r} sent quant={bool(h[_H_QUANT])}")
@@ -540,6 +561,7 @@ class AfdChannel:
                 "weights": torch.empty(cap, dtype=torch.float32),
                 "info": torch.empty(cap, 3, dtype=torch.int32),
                 "counts": torch.zeros(self._groups(), dtype=torch.int64),
+                "token_rows": torch.empty(self.M * c.max_tokens * (c.topk + 1), dtype=torch.int32),
             }
             self._bufs[s] = buf
         return buf
@@ -561,13 +583,14 @@ class AfdChannel:
         while True:
             got = _C.afd_gather(sources, c.topk, c.num_experts, self._f * c.experts_per_rank,
                                 c.experts_per_rank, c.shared_expert, self._f, self.N, buf["rows"],
-                                buf["scales"], buf["weights"], buf["info"], buf["counts"])
+                                buf["scales"], buf["weights"], buf["info"], buf["counts"], buf["token_rows"],
+                                c.max_tokens)
             if got >= 0:
                 break
             buf = self._buffers(s, -got - 1, quant)
-        first = self._f * c.experts_per_rank
         tokens = AfdTokens(layer, mb, buf["rows"][:got], buf["scales"][:got] if quant else None,
-                           buf["counts"], buf["weights"][:got], buf["info"][:got], sizes, n)
+                           buf["counts"], buf["weights"][:got], buf["info"][:got], sizes, n,
+                           _token_rows=buf["token_rows"])
         return tokens
 
     def expert_ids(self, tokens: AfdTokens) -> torch.Tensor:
@@ -602,8 +625,14 @@ class AfdChannel:
         if problem is not None:
             self._fail_message(s, tokens.message, f"layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
             raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
-        dest = [self._peer_slots[a][s]["recv"] for a in range(self.M)]
-        _C.afd_scatter(expert_out.contiguous(), tokens.source, dest, tokens.batch_sizes, self._layout.rows_per_token)
+        if tokens.weighted:
+            dest = [self._peer_slots[a][s]["partials"] for a in range(self.M)]
+            _C.afd_reduce(expert_out.contiguous(), tokens.weights, tokens._token_rows, dest, tokens.batch_sizes,
+                          c.max_tokens, c.topk, self._f, self.N)
+        else:
+            dest = [self._peer_slots[a][s]["recv"] for a in range(self.M)]
+            _C.afd_scatter(expert_out.contiguous(), tokens.source, dest, tokens.batch_sizes,
+                           self._layout.rows_per_token)
         for a in range(self.M):   # signal_store fences the copies before each counter
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), tokens.message)
 

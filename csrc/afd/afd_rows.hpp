@@ -2,22 +2,30 @@
 //
 // The channel's memory (per rank, in its tensor heap, mapped by every peer):
 //   attention rank: per slot, the posted message (routing ids, weights, token rows or their
-//                   int8 + scales) and a receive area of (max_bs, K + shared) rows that the FFN
-//                   ranks fill with expert outputs (row k of token t: its k-th routed expert;
-//                   row K, with a shared expert: the shared expert)
+//                   int8 + scales) and a receive area that the FFN ranks fill
 //   FFN rank:       per slot, per attention rank, a done counter (and a status line)
 // These functions are the loops over rows between those places; the protocol (counters,
-// headers, deadlines, errors) lives in afd.py. Every output layout is stated once, here:
+// headers, deadlines, errors) lives in afd.py. Every layout and reduction order is stated
+// once, here:
 //
 //   gather (FFN):  rows grouped by local expert j = 0..L-1, then the shared-expert group (when
 //                  the channel has one); inside a group ordered by (attention rank, token).
-//                  info[i] = (attention rank index, token, k), k = K for a shared-expert row.
-//                  The shared expert of attention rank a's token t is computed by FFN rank
-//                  t / ceil(bs_a / N) (contiguous chunks, so every FFN rank takes a share).
-//   scatter (FFN): expert output row i goes to receive row (t, k) of attention rank info[i].a
-//   combine (attention): out[t] = round(sum over k with ids[t,k] >= 0, in k order, of
-//                  w[t,k] * row(t,k), accumulated in fp32, then + row(t,K) if shared)
-//                  exactly as kernels::weighted_sum_row rounds (the reference does the same).
+//                  info[i] = (attention rank index, token, k), k = K for a shared-expert row;
+//                  token_rows[(a * B + t) * (K + 1) + k] = i (-1: none). The shared expert of
+//                  attention rank a's token t is computed by FFN rank t / ceil(bs_a / N)
+//                  (contiguous chunks, so every FFN rank takes a share).
+//   Weights given with the tokens (the usual case): the FFN rank pre-sums.
+//     reduce (FFN):  partial[t][f] = sum over its rows of token t, k in order, of w_k * row_k,
+//                    then + the shared row, in fp32 (kernels::weighted_sum_row), written to row
+//                    (t, f) of the owner's receive area (B, N, H) fp32; only FFN ranks holding
+//                    one of the token's rows write it
+//     combine (attention): out[t] = round(sum over those f, ascending, of partial[t][f])
+//   Weights given at the receive (CAM's split ops): rows travel.
+//     scatter (FFN): expert output row i goes to row (t, k) of the owner's receive area
+//                    (B, K + shared, H) of the rows' dtype
+//     combine (attention): out[t] = round(sum over k with ids >= 0, in k order, of
+//                    w_k * row(t, k), fp32, then + row(t, K) if shared)
+// torch_cam/afd_reference.py computes both orders the same way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -63,10 +71,22 @@ std::string check_routing(const int32_t* ids, int64_t bs, int64_t topk, int64_t 
 // Rows of this FFN rank's experts (and shared chunk) over all sources. Returns the row count,
 // or -(count) - 1 when it exceeds `capacity` (nothing copied; the caller grows and retries).
 // out_rows (capacity, row_bytes); out_scales (capacity,) or null; out_weights (capacity,);
-// out_info (capacity, 3); out_counts (L + shared).
+// out_info (capacity, 3); out_counts (L + shared); token_rows (sources * max_tokens * (K + 1)).
 int64_t gather_tokens(const std::vector<PostedTokens>& src, const ExpertPlacement& p, int64_t row_bytes,
-                      bool quantized, int64_t capacity, char* out_rows, float* out_scales,
-                      float* out_weights, int32_t* out_info, int64_t* out_counts);
+                      bool quantized, int64_t capacity, int64_t max_tokens, char* out_rows, float* out_scales,
+                      float* out_weights, int32_t* out_info, int64_t* out_counts, int32_t* token_rows);
+
+// The FFN rank's pre-summed partials (see above). rows (n, H) of dtype; weights (n,) per row;
+// token_rows as gather left it; dest[a] the receive area (B, N, H) fp32 of source a.
+void reduce_outputs(const char* rows, c10::ScalarType dtype, int64_t hidden, const float* weights,
+                    const int32_t* token_rows, const std::vector<int64_t>& tokens, int64_t max_tokens,
+                    int64_t topk, const std::vector<float*>& dest, int64_t ffn_index, int64_t ffn_count);
+
+// The attention side's sum of partials: ids (bs, K) tell which FFN ranks wrote row (t, f)
+// (expert e lives on FFN rank e / experts_per_rank; with a shared expert, chunk owner too).
+void combine_partials(const float* recv, const int32_t* ids, int64_t bs, int64_t topk, int64_t hidden,
+                      int64_t experts_per_rank, int64_t ffn_count, bool shared, c10::ScalarType out_dtype,
+                      char* out);
 
 // Expert output rows (n, row_bytes) to their attention ranks' receive areas (dest[a]: row
 // (t, k) at (t * rows_per_token + k) * row_bytes, rows_per_token = K + shared).
