@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "moe_rows.hpp"
@@ -182,8 +183,90 @@ inline void store_pair(c10::ScalarType dtype, void* out, int64_t i, int64_t c, c
 }
 }  // namespace
 
+namespace {
+// The same sum with every row of one float dtype T and the output of dtype O, loads and stores
+// typed at compile time (no dispatch per vector: the common case, several times faster).
+template <typename T>
+inline void load_pair_typed(const T* row, int64_t i, int64_t c, F& lo, F& hi) {
+  constexpr int64_t W = F::size();
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t c0 = std::min<int64_t>(c, W), c1 = c - c0;
+    lo = load<F>(row + i, c0);
+    hi = c1 > 0 ? load<F>(row + i + W, c1) : F(0.f);
+  } else {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(load<Vectorized<T>>(row + i, c));
+  }
+}
+
+template <typename O>
+inline void store_pair_typed(O* out, int64_t i, int64_t c, const F& lo, const F& hi) {
+  constexpr int64_t W = F::size();
+  if constexpr (std::is_same_v<O, float>) {
+    const int64_t c0 = std::min<int64_t>(c, W), c1 = c - c0;
+    lo.store(out + i, c0);
+    if (c1 > 0) hi.store(out + i + W, c1);
+  } else {
+    at::vec::convert_from_float<O>(lo, hi).store(out + i, c);
+  }
+}
+
+template <typename T, typename O>
+void weighted_sum_typed(const WeightedRows& src, const T* add, bool add_first, O* out, int64_t n) {
+  constexpr int64_t B = 2 * F::size();
+  for (int64_t i = 0; i < n; i += B) {
+    const int64_t c = std::min<int64_t>(B, n - i);
+    F lo(0.f), hi(0.f), xlo, xhi;
+    if (add != nullptr && add_first) load_pair_typed(add, i, c, lo, hi);
+    for (int s = 0; s < src.count; ++s) {
+      load_pair_typed(static_cast<const T*>(src.rows[s]), i, c, xlo, xhi);
+      const F w(src.weights[s]);
+      lo = lo + w * xlo;
+      hi = hi + w * xhi;
+    }
+    if (add != nullptr && !add_first) {
+      load_pair_typed(add, i, c, xlo, xhi);
+      lo = lo + xlo;
+      hi = hi + xhi;
+    }
+    store_pair_typed(out, i, c, lo, hi);
+  }
+}
+
+template <typename T>
+bool weighted_sum_typed_out(const WeightedRows& src, const void* add, bool add_first, c10::ScalarType out_dtype,
+                            void* out, int64_t n) {
+  const T* a = static_cast<const T*>(add);
+  switch (out_dtype) {
+    case c10::ScalarType::Float: weighted_sum_typed(src, a, add_first, static_cast<float*>(out), n); return true;
+    case c10::ScalarType::BFloat16:
+      weighted_sum_typed(src, a, add_first, static_cast<c10::BFloat16*>(out), n);
+      return true;
+    case c10::ScalarType::Half: weighted_sum_typed(src, a, add_first, static_cast<c10::Half*>(out), n); return true;
+    default: return false;
+  }
+}
+
+// Rows (and the addend) of one float dtype: the typed loop; false otherwise.
+bool weighted_sum_uniform(const WeightedRows& src, c10::ScalarType add_dtype, const void* add, bool add_first,
+                          c10::ScalarType out_dtype, void* out, int64_t n) {
+  const c10::ScalarType d = src.count > 0 ? src.dtypes[0] : add_dtype;
+  for (int s = 1; s < src.count; ++s) {
+    if (src.dtypes[s] != d) return false;
+  }
+  if (add != nullptr && add_dtype != d) return false;
+  switch (d) {
+    case c10::ScalarType::Float: return weighted_sum_typed_out<float>(src, add, add_first, out_dtype, out, n);
+    case c10::ScalarType::BFloat16:
+      return weighted_sum_typed_out<c10::BFloat16>(src, add, add_first, out_dtype, out, n);
+    case c10::ScalarType::Half: return weighted_sum_typed_out<c10::Half>(src, add, add_first, out_dtype, out, n);
+    default: return false;
+  }
+}
+}  // namespace
+
 void weighted_sum_row(const WeightedRows& src, c10::ScalarType add_dtype, const void* add,
                       bool add_first, c10::ScalarType out_dtype, void* out, int64_t n) {
+  if (weighted_sum_uniform(src, add_dtype, add, add_first, out_dtype, out, n)) return;
   constexpr int64_t B = 2 * F::size();
   for (int64_t i = 0; i < n; i += B) {
     const int64_t c = std::min<int64_t>(B, n - i);
