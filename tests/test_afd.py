@@ -383,6 +383,10 @@ class AfdExchangeTest(unittest.TestCase):
         self.run_spec(6, dict(BASE, attn=[0, 1], ffn=[2, 3, 4, 5], dtype=torch.bfloat16, experts_per_rank=16,
                               topk=8, expert_pool=list(range(32)), bs=[[16, 4], [8, 16]], shared=True), deadline=180)
 
+    def test_3to1_fp16_int8(self):
+        self.run_spec(4, dict(BASE, attn=[0, 1, 2], ffn=[3], dtype=torch.float16, bs=[[16, 5], [2, 16], [0, 7]],
+                              quant=True, layers=2))
+
 
     def test_cam_names(self):
         assert_all_ok(self, run_ranks(_cam_names_worker, 4, deadline_s=120))

@@ -17,6 +17,7 @@ from .monitored import monitored_barrier
 from .moe_buffer import Buffer, EventOverlap
 from . import kv  # noqa: F401  (torch_cam.kv.KVTransfer)
 from . import weights  # noqa: F401  (torch_cam.weights.WeightChannel)
+from . import afd  # noqa: F401  (torch_cam.afd.AfdChannel)
 from . import ops  # noqa: F401  (torch.ops.torch_cam.*)
 from .moe import (moe_combine_shmem, moe_dispatch_shmem, moe_distribute_combine,
                   moe_distribute_combine_v2, moe_distribute_dispatch, moe_distribute_dispatch_v2)

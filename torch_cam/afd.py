@@ -505,7 +505,12 @@ class AfdChannel:
                 self._fail_message(s, n, problem)
                 self._pending[s] = None
                 raise AfdError(f"{self._where(op)}: layer {lay} micro-batch {mb}: {problem}")
-        tokens = self._gather(s, n, lay, mb, q, sizes)
+        try:
+            tokens = self._gather(s, n, lay, mb, q, sizes)
+        except Exception as e:   # the attention ranks must hear of it too
+            self._fail_message(s, n, f"ffn rank {self.rank} could not gather: {e}")
+            self._pending[s] = None
+            raise AfdError(f"{self._where(op)}: layer {lay} micro-batch {mb}: could not gather: {e}") from e
         tokens.weighted = weighted
         self._pending[s] = tokens
         return tokens
@@ -625,14 +630,18 @@ class AfdChannel:
         if problem is not None:
             self._fail_message(s, tokens.message, f"layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
             raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch}: {problem}")
-        if tokens.weighted:
-            dest = [self._peer_slots[a][s]["partials"] for a in range(self.M)]
-            _C.afd_reduce(expert_out.contiguous(), tokens.weights, tokens._token_rows, dest, tokens.batch_sizes,
-                          c.max_tokens, c.topk, self._f, self.N)
-        else:
-            dest = [self._peer_slots[a][s]["recv"] for a in range(self.M)]
-            _C.afd_scatter(expert_out.contiguous(), tokens.source, dest, tokens.batch_sizes,
-                           self._layout.rows_per_token)
+        try:
+            if tokens.weighted:
+                dest = [self._peer_slots[a][s]["partials"] for a in range(self.M)]
+                _C.afd_reduce(expert_out.contiguous(), tokens.weights, tokens._token_rows, dest, tokens.batch_sizes,
+                              c.max_tokens, c.topk, self._f, self.N)
+            else:
+                dest = [self._peer_slots[a][s]["recv"] for a in range(self.M)]
+                _C.afd_scatter(expert_out.contiguous(), tokens.source, dest, tokens.batch_sizes,
+                               self._layout.rows_per_token)
+        except Exception as e:   # the attention ranks must hear of it too
+            self._fail_message(s, tokens.message, f"ffn rank {self.rank} could not send its outputs: {e}")
+            raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch}: {e}") from e
         for a in range(self.M):   # signal_store fences the copies before each counter
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), tokens.message)
 
