@@ -122,7 +122,6 @@ class AfdHandle:
     bs: int
     weighted: bool = True   # weights came with send: the FFN ranks pre-summed
     _weights: torch.Tensor | None = dataclasses.field(default=None, repr=False)
-    _ids: torch.Tensor | None = dataclasses.field(default=None, repr=False)
     done: bool = False
 
 
@@ -369,8 +368,7 @@ class AfdChannel:
         self._post(slot, n, layer, micro_batch, bs, quant, expert_weights is not None, None)
         self._next += 1
         h = AfdHandle(layer, micro_batch, n, bs, weighted=expert_weights is not None,
-                      _weights=None if expert_weights is None else slot["weights"][:bs],
-                      _ids=slot["ids"][:bs])
+                      _weights=None if expert_weights is None else slot["weights"][:bs])
         self._inflight[s] = h
         return h
 

@@ -1,7 +1,6 @@
 #include "afd_rows.hpp"
 
 #include <ATen/Parallel.h>
-#include <c10/util/irange.h>
 
 #include <algorithm>
 #include <cstring>
