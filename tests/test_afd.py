@@ -148,6 +148,8 @@ def _exchange_worker(rank, world, init_file, spec):
                 if layer > 0:
                     finish(layer - 1, mb)
                 x, ids, w = batch(spec, a, layer, mb)
+                if spec.get("zero_copy"):   # the tokens computed straight into the slot
+                    x = ch.send_buffer()[:x.shape[0]].copy_(x)
                 handles[(layer, mb)] = ch.send(x, ids, None if spec.get("weights_at_recv") else w, layer=layer,
                                                micro_batch=mb, quant=quant)
         for mb in range(MB):
@@ -232,6 +234,11 @@ def _role_worker(rank, world, init_file, spec):
                 h1 = h
             except afd.AfdError as e:
                 msgs.append(str(e))
+        try:
+            ch.send_buffer()
+            msgs.append("send_buffer while its slot is busy")
+        except afd.AfdError as e:
+            msgs.append(str(e))
         ch.recv(h0)
         ch.recv(h1)
     else:
@@ -372,11 +379,11 @@ class AfdExchangeTest(unittest.TestCase):
 
     def test_2to2_int8(self):
         self.run_spec(4, dict(BASE, attn=[0, 1], ffn=[2, 3], dtype=torch.bfloat16, shared=True, quant=True,
-                              bs=[[16, 9], [12, 1]]))
+                              bs=[[16, 9], [12, 1]], zero_copy=True))
 
     def test_3to1_fp16_uneven_batches(self):
         self.run_spec(4, dict(BASE, attn=[0, 1, 2], ffn=[3], dtype=torch.float16, bs=[[16, 2], [7, 0], [1, 11]],
-                              unrouted=0.3, experts_per_rank=6, topk=4))
+                              unrouted=0.3, experts_per_rank=6, topk=4, zero_copy=True))
 
     def test_2to4_bf16_experts_on_some_ffn_ranks(self):
         # 64 experts, tokens only routed to experts of ffn ranks 0 and 1: ffn ranks 2 and 3 get none.
@@ -431,6 +438,7 @@ class AfdErrorTest(unittest.TestCase):
         self.assertRegex(attn[1], r"layer 0 micro-batch 0 is already in flight")
         self.assertEqual(attn[2], "accepted (0, 1)")
         self.assertRegex(attn[3], r"slot 0 still holds layer 0 micro-batch 0 \(message 1\): recv it first")
+        self.assertRegex(attn[4], r"send_buffer .* the next slot \(0\) still holds layer 0 micro-batch 0")
 
     def test_config_mismatch(self):
         res = run_ranks(_config_worker, 2, deadline_s=60)

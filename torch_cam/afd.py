@@ -361,9 +361,10 @@ class AfdChannel:
             slot["weights"][:bs].copy_(expert_weights)
         else:
             slot["weights"][:bs].fill_(1.0)
-        if quant:
-            _C.afd_quantize(x.contiguous(), slot["qrows"], slot["scales"])
-        else:
+        in_slot = x.data_ptr() == slot["rows"].data_ptr() and x.is_contiguous()   # from send_buffer()
+        if quant:   # int8 rows overwrite the slot's row area: quantize from a copy when x lies there
+            _C.afd_quantize(x.clone() if in_slot else x.contiguous(), slot["qrows"], slot["scales"])
+        elif not in_slot:
             slot["rows"][:bs].copy_(x)
         self._post(slot, n, layer, micro_batch, bs, quant, expert_weights is not None, None)
         self._next += 1
@@ -371,6 +372,19 @@ class AfdChannel:
                       _weights=None if expert_weights is None else slot["weights"][:bs])
         self._inflight[s] = h
         return h
+
+    def send_buffer(self) -> torch.Tensor:
+        """The (max_tokens, H) rows of the slot the next ``send`` uses, in this rank's heap.
+        Compute the tokens straight into ``[:bs]`` of it (an ``out=``) and pass that view to
+        ``send``: it then skips copying them. Valid until that ``send``."""
+        op = "send_buffer"
+        self._check_usable(op, "attention")
+        s = (self._next - 1) % self.S
+        busy = self._inflight[s]
+        if busy is not None:
+            raise AfdError(f"{self._where(op)}: the next slot ({s}) still holds layer {busy.layer} micro-batch "
+                           f"{busy.micro_batch} (message {busy.message}): recv it first")
+        return self._slots[s]["rows"]
 
     def _check_tokens(self, x, ids, w) -> str | None:
         c = self.cfg
