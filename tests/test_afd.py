@@ -476,6 +476,10 @@ class AfdFailureTest(unittest.TestCase):
             self.assertRegex(msg, pattern, f"rank {r}")
             self.assertLess(elapsed, 8.0, f"rank {r} took {elapsed:.1f} s")
             self.assertRegex(again, r"the channel is broken", f"rank {r}")
+        if who == "attention":   # the other attention rank hears from the ffn ranks at once
+            msg, elapsed = res[1][1][:2]
+            self.assertRegex(msg, r"AfdError: .*ffn rank 2: .*rank 0 (died|did not send message 2)", "attention rank 1")
+            self.assertLess(elapsed, 8.0, f"attention rank 1 took {elapsed:.1f} s")
         self.assertEqual(cam_segments(), [])
 
     def test_ffn_dies(self):
