@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 import traceback
@@ -161,6 +162,19 @@ def max_over_ranks(values: list[float], gloo) -> list[float]:
 
 def allreduce_max(x: float, gloo) -> float:
     return float(max_over_ranks([x], gloo)[0])
+
+
+def timed_slowest(fn, gloo, samples: int, warmup: int = 1) -> float:
+    """Median over samples of the slowest rank's time for fn(), each from a gloo barrier."""
+    out = []
+    for i in range(warmup + samples):
+        dist.barrier(group=gloo)
+        t0 = time.perf_counter()
+        fn()
+        dt = allreduce_max(time.perf_counter() - t0, gloo)
+        if i >= warmup:
+            out.append(dt)
+    return statistics.median(out)
 
 
 def all_ok(ok: bool, gloo) -> bool:

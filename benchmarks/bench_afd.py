@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
@@ -56,18 +55,6 @@ def routing(a, bs, E, layer):
     ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(bs)]).to(torch.int32)
     w = torch.rand(bs, TOPK, generator=g)
     return ids, w / w.sum(1, keepdim=True)
-
-
-def timed(fn, gloo, samples, warmup=1):
-    out = []
-    for i in range(warmup + samples):
-        dist.barrier(group=gloo)
-        t0 = time.perf_counter()
-        fn()
-        dt = _harness.allreduce_max(time.perf_counter() - t0, gloo)
-        if i >= warmup:
-            out.append(dt)
-    return statistics.median(out)
 
 
 def a2a_exchange(group, rank, attn, ffn, x, ids, w, per_rank, H):
@@ -132,7 +119,7 @@ def worker(rank, world, store_path, cfg, result_path):
                     tok = ch.recv_tokens(layer=l)
                     ch.send_outputs(tok.rows, tok)
 
-        t_cam = timed(cam_layers, gloo, cfg["samples"]) / LAYERS
+        t_cam = _harness.timed_slowest(cam_layers, gloo, cfg["samples"]) / LAYERS
         # Correctness of the timed exchange: identity experts give sum_k w_k * x.
         # Bytes each rank writes in the exchange: attention its posted rows and its output; FFN
         # the grouped rows and one fp32 partial row per (token, this rank) it serves.
@@ -155,11 +142,11 @@ def worker(rank, world, store_path, cfg, result_path):
                                  routes[l][1] if a is not None else None, per_rank, H)
             return run
 
-        t_gloo = timed(a2a_layers(gloo), gloo, max(1, cfg["samples"] // 2)) / LAYERS
-        t_a2a_cam = timed(a2a_layers(cam_world), gloo, cfg["samples"]) / LAYERS
+        t_gloo = _harness.timed_slowest(a2a_layers(gloo), gloo, max(1, cfg["samples"] // 2)) / LAYERS
+        t_a2a_cam = _harness.timed_slowest(a2a_layers(cam_world), gloo, cfg["samples"]) / LAYERS
         src = torch.ones(max(copy_bytes, 1), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        bound = timed(lambda: dst.copy_(src), gloo, cfg["samples"])
+        bound = _harness.timed_slowest(lambda: dst.copy_(src), gloo, cfg["samples"])
         del src, dst
         # Two micro-batches, ping-pong, a compute of one exchange's length between send and recv.
         compute = t_cam
@@ -193,7 +180,7 @@ def worker(rank, world, store_path, cfg, result_path):
         exchange_total = t_cam * OVERLAP_LAYERS * 2
         hidden = []
         for zero_copy in (False, True):
-            t_over = timed(overlapped(zero_copy), gloo, cfg["samples"])
+            t_over = _harness.timed_slowest(overlapped(zero_copy), gloo, cfg["samples"])
             slept = _harness.allreduce_max(sleep_cost[0], gloo)
             hidden.append(max(0.0, min(1.0, 1.0 - (t_over - slept) / exchange_total)))
         rows_out.append({"layout": cfg["layout"], "shape": name, "cam": t_cam, "gloo": t_gloo, "a2a_cam": t_a2a_cam,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 
@@ -50,17 +49,6 @@ def model_shapes(total: int, kind: str) -> list[tuple[int, int]]:
     return [(sizes[i % 3] // (4 * COLS), COLS) for i in range(2048)]
 
 
-def timed(fn, gloo, samples: int, warmup: int = 1) -> float:
-    """Median over samples of the slowest rank's time for fn(), from a gloo barrier."""
-    out = []
-    for i in range(warmup + samples):
-        dist.barrier(group=gloo)
-        t0 = time.perf_counter()
-        fn()
-        dt = _harness.allreduce_max(time.perf_counter() - t0, gloo)
-        if i >= warmup:
-            out.append(dt)
-    return statistics.median(out)
 
 
 def worker(rank, world, store_path, cfg, result_path):
@@ -108,7 +96,7 @@ def worker(rank, world, store_path, cfg, result_path):
                 version[0] += 1
                 (ch.publish if is_trainer else ch.update)(version[0])
 
-            t_cam = timed(cam_update, gloo, cfg["samples"])
+            t_cam = _harness.timed_slowest(cam_update, gloo, cfg["samples"])
             ok = all(torch.all(t == float(i % 7)).item() for i, (_, t) in enumerate(mine)) if not is_trainer else True
             ok = _harness.all_ok(ok, gloo)
 
@@ -134,8 +122,8 @@ def worker(rank, world, store_path, cfg, result_path):
                             t.copy_(full.chunk(len(rep), rdim)[rep.index(rank)])
                 return run
 
-            t_gloo = timed(bcast(bc_gloo, tr_gloo), gloo, max(1, cfg["samples"] // 2))
-            t_cbc = timed(bcast(bc_cam, tr_cam), gloo, cfg["samples"])
+            t_gloo = _harness.timed_slowest(bcast(bc_gloo, tr_gloo), gloo, max(1, cfg["samples"] // 2))
+            t_cbc = _harness.timed_slowest(bcast(bc_cam, tr_cam), gloo, cfg["samples"])
             # The bound: one rollout copying what it receives, the others idle.
             # The bound: every rollout copying the bytes it receives within its own memory, all
             # at once (they share the cores and memory bandwidth as in the update), with the
@@ -153,7 +141,7 @@ def worker(rank, world, store_path, cfg, result_path):
                         dst.copy_(src)
                     torch.set_num_threads(1)
 
-            bound = timed(local_copy, gloo, cfg["samples"])
+            bound = _harness.timed_slowest(local_copy, gloo, cfg["samples"])
             del src, dst
             rows.append({"layout": cfg["layout"], "total": total, "kind": kind, "tensors": len(shapes),
                          "recv_bytes": recv_bytes, "cam": t_cam, "gloo": t_gloo, "cam_bcast": t_cbc,

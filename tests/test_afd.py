@@ -83,7 +83,8 @@ def _channel(spec, timeout=20.0):
     return afd.AfdChannel(attention_ranks=spec["attn"], ffn_ranks=spec["ffn"],
                           experts_per_rank=spec["experts_per_rank"], hidden=spec["hidden"], topk=spec["topk"],
                           max_tokens=spec["max_tokens"], dtype=spec["dtype"],
-                          shared_expert=spec.get("shared", False), micro_batches=2, timeout=timeout)
+                          shared_expert=spec.get("shared", False), micro_batches=spec.get("slots", 2),
+                          timeout=timeout)
 
 
 def _ffn_step(ch, spec, layer, mb, quant, check_rows=True):
@@ -223,7 +224,8 @@ def _role_worker(rank, world, init_file, spec):
             ch.send(torch.zeros(1, spec["hidden"]), torch.zeros(1, 1, dtype=torch.int32), layer=0)
     except afd.AfdError as e:
         msgs.append(str(e))
-    # Re-sending a key in flight, and a third micro-batch with two slots.
+    # Three slots: a key already in flight (posted as a refusal, so the ffn rank raises too), a
+    # second key, then a message whose slot still holds the first.
     if rank in spec["attn"]:
         x, ids, w = batch(spec, 0, 0, 0)
         h0 = ch.send(x, ids, w, layer=0, micro_batch=0)
@@ -242,8 +244,12 @@ def _role_worker(rank, world, init_file, spec):
         ch.recv(h0)
         ch.recv(h1)
     else:
-        for _ in range(2):
-            tok = ch.recv_tokens()
+        for _ in range(3):
+            try:
+                tok = ch.recv_tokens()
+            except afd.AfdError as e:
+                msgs.append(str(e))
+                continue
             ch.send_outputs(torch.zeros(tok.rows.shape[0], spec["hidden"], dtype=spec["dtype"]), tok)
     dist.barrier()
     dist.destroy_process_group()
@@ -429,7 +435,7 @@ class AfdErrorTest(unittest.TestCase):
                                                 r"layer 0 micro-batch 0")
 
     def test_wrong_role_and_slots(self):
-        spec = dict(BASE, attn=[0], ffn=[1], bs=[[16, 16]])
+        spec = dict(BASE, attn=[0], ffn=[1], bs=[[16, 16]], slots=3)
         res = run_ranks(_role_worker, 2, spec, deadline_s=60)
         assert_all_ok(self, res)
         attn, ffn = res[0][1], res[1][1]
@@ -439,6 +445,9 @@ class AfdErrorTest(unittest.TestCase):
         self.assertEqual(attn[2], "accepted (0, 1)")
         self.assertRegex(attn[3], r"slot 0 still holds layer 0 micro-batch 0 \(message 1\): recv it first")
         self.assertRegex(attn[4], r"send_buffer .* the next slot \(0\) still holds layer 0 micro-batch 0")
+        self.assertRegex(ffn[1], r"attention rank 0 refused layer 0 micro-batch 0: layer 0 micro-batch 0 is "
+                                 r"already in flight \(message 1\)")
+        self.assertEqual(len(ffn), 2)
 
     def test_config_mismatch(self):
         res = run_ranks(_config_worker, 2, deadline_s=60)

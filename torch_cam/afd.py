@@ -38,7 +38,6 @@ and every later call raises at once with that cause.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +121,6 @@ class AfdHandle:
     bs: int
     weighted: bool = True   # weights came with send: the FFN ranks pre-summed
     _weights: torch.Tensor | None = dataclasses.field(default=None, repr=False)
-    done: bool = False
 
 
 @dataclass
@@ -245,7 +243,7 @@ class AfdChannel:
         if self.role == "ffn":
             mine = self._block
             self._done = mine[: self.S * self.M * _LINE].view(torch.int64)      # [s * M + a] * 8
-            self._status = mine[self.S * self.M * _LINE:].view(self.S, _STATUS_BYTES)
+            self._status = mine[self.S * self.M * _LINE:]   # S lines of _STATUS_BYTES
             # Every attention rank's slots, mapped: header words, ids, weights, scales, rows, recv.
             self._peer_slots = []
             for r in c.attention_ranks:
@@ -262,7 +260,7 @@ class AfdChannel:
             for r in c.ffn_ranks:
                 view = be.peer_arena_view(r, self._offsets[r], self.S * self.M * _LINE + self.S * _STATUS_BYTES)
                 self._peer_done.append(view[: self.S * self.M * _LINE].view(torch.int64))
-                self._peer_status.append(view[self.S * self.M * _LINE:].view(self.S, _STATUS_BYTES))
+                self._peer_status.append(view[self.S * self.M * _LINE:])   # S lines of _STATUS_BYTES
 
     def _slot_views(self, b: torch.Tensor) -> dict:
         c, L = self.cfg, self._layout
@@ -324,10 +322,12 @@ class AfdChannel:
     # ---- attention side ------------------------------------------------------------------------
 
     def send(self, x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor | None = None, *,
-             layer: int, micro_batch: int = 0, quant: bool = False) -> AfdHandle:
+             layer: int, micro_batch: int = 0, quant: bool = False, _refusal: str | None = None) -> AfdHandle:
         """Post ``x`` (bs, H) with its routing (``expert_ids`` (bs, K) int, -1 = not routed;
         ``expert_weights`` (bs, K) float, or None to give them at ``recv``). Returns at once; the
-        tensors may be reused as soon as it returns. ``quant``: per-token dynamic int8 on the way."""
+        tensors may be reused as soon as it returns. ``quant``: per-token dynamic int8 on the way.
+        Bad input is posted as a refusal (the FFN ranks and, through them, the other attention
+        ranks raise too) and raises here; ``_refusal``: a front end's own reason to refuse."""
         op = "send"
         self._check_usable(op, "attention")
         layer, micro_batch = int(layer), int(micro_batch)
@@ -339,10 +339,10 @@ class AfdChannel:
                            f"but slot {s} still holds layer {busy.layer} micro-batch {busy.micro_batch} "
                            f"(message {busy.message}): recv it first (the channel has "
                            f"{self.S} micro-batch slots)")
+        problem = _refusal
         for h in self._inflight:
-            if h is not None and (h.layer, h.micro_batch) == (layer, micro_batch):
-                raise AfdError(f"{self._where(op)}: layer {layer} micro-batch {micro_batch} is already in "
-                               f"flight (message {h.message})")
+            if problem is None and h is not None and (h.layer, h.micro_batch) == (layer, micro_batch):
+                problem = f"layer {layer} micro-batch {micro_batch} is already in flight (message {h.message})"
         slot = self._slots[s]
         if n > self.S:
             # Every FFN rank is done with the slot's previous message (recv waited for that,
@@ -350,7 +350,7 @@ class AfdChannel:
             for f, r in enumerate(self.cfg.ffn_ranks):
                 self._wait(op, r, self._peer_done[f], (s * self.M + self._a) * (_LINE // 8), n - self.S,
                            f"finish message {n - self.S} of attention rank {self.rank}")
-        problem = self._check_tokens(x, expert_ids, expert_weights)
+        problem = problem or self._check_tokens(x, expert_ids, expert_weights)
         if problem is not None:
             self._post(slot, n, layer, micro_batch, 0, quant, expert_weights is not None, problem)
             self._next += 1
@@ -413,10 +413,12 @@ class AfdChannel:
 
     def _post(self, slot, n, layer, mb, bs, quant, weighted, refused: str | None):
         hdr = slot["header"]
-        hdr[1:7].copy_(torch.tensor([layer, mb, bs, int(bool(quant)), 1 if refused else 0, int(bool(weighted))],
-                                    dtype=torch.int64))
         if refused:
             self._write_text(slot["text"], refused)
+        fields = ((_H_LAYER, layer), (_H_MB, mb), (_H_BS, bs), (_H_QUANT, int(bool(quant))),
+                  (_H_REFUSED, 1 if refused else 0), (_H_WEIGHTED, int(bool(weighted))))
+        for word, value in fields:   # plain fields; the posted counter below publishes them
+            _C.signal_store(hdr, word, value)
         _C.signal_store(hdr, _H_POSTED, n)
 
     def recv(self, handle: AfdHandle, expert_weights: torch.Tensor | None = None, *,
@@ -456,12 +458,11 @@ class AfdChannel:
             except AfdError:
                 self._inflight[s] = None
                 raise
-            st = self._peer_status[f][s]
-            failed = int(st[:8].view(torch.int64)[0])
-            if failed == handle.message:
-                failures.append(f"ffn rank {r}: {self._read_text(st[_LINE:_LINE + _TEXT])}")
+            st = self._peer_status[f]
+            if _C.signal_load(st.view(torch.int64), s * _STATUS_BYTES // 8) == handle.message:
+                at = s * _STATUS_BYTES + _LINE
+                failures.append(f"ffn rank {r}: {self._read_text(st[at:at + _TEXT])}")
         self._inflight[s] = None
-        handle.done = True
         if failures:
             raise AfdError(f"{self._where(op)}: layer {handle.layer} micro-batch {handle.micro_batch} failed: "
                            + "; ".join(failures))
@@ -557,9 +558,9 @@ class AfdChannel:
 
     def _fail_message(self, s: int, n: int, text: str):
         """Tell every attention rank that message n failed here (status line, then done)."""
-        st = self._status[s]
-        self._write_text(st[_LINE:_LINE + _TEXT], text)
-        _C.signal_store(st[:8].view(torch.int64), 0, n)
+        at = s * _STATUS_BYTES
+        self._write_text(self._status[at + _LINE:at + _LINE + _TEXT], text)
+        _C.signal_store(self._status.view(torch.int64), at // 8, n)
         for a in range(self.M):
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), n)
 
@@ -688,6 +689,7 @@ class _CamState:
 
 
 _cam_states: dict = {}
+_split_by_shape: dict = {}   # the split ops' channel of the last dispatch of each shape
 
 
 def _resolve_group(group):
@@ -717,10 +719,11 @@ def _check_world(pg, world_size):
         raise AfdError(f"cam afd: world_size {world_size} is not the group's size {dist.get_world_size(pg)}")
 
 
-def _cam_send(st: _CamState, x, expert_ids, weights, layer, quant) -> None:
+def _cam_send(st: _CamState, x, expert_ids, weights, layer, quant, refusal=None) -> None:
     # Two micro-batches of one layer in flight need distinct keys: number them per layer.
     mb = sum(1 for h in st.inflight if h.layer == layer)
-    st.inflight.append(st.channel.send(x, expert_ids, weights, layer=layer, micro_batch=mb, quant=bool(quant)))
+    st.inflight.append(st.channel.send(x, expert_ids, weights, layer=layer, micro_batch=mb, quant=bool(quant),
+                                       _refusal=refusal))
 
 
 def _cam_oldest(st: _CamState, what: str):
@@ -774,8 +777,11 @@ def _split_state(group_name, x_dtype, max_seq_len, hidden_size, top_k, moe_rank_
     pg = _resolve_group(group_name)
     _check_world(pg, world_size)
     A, F = int(attn_rank_num), int(moe_rank_num)
-    return _cam_state(pg, list(range(A)), list(range(A, A + F)), route_expert_num_per_moe, hidden_size, top_k,
-                      int(max_seq_len) // max(int(tp_size), 1), x_dtype, tp_size)
+    st = _cam_state(pg, list(range(A)), list(range(A, A + F)), route_expert_num_per_moe, hidden_size, top_k,
+                    max_seq_len, x_dtype, tp_size)
+    # combine_recv_async has no max_seq_len: it finds the channel by the rest.
+    _split_by_shape[(pg.group_name, A, F, int(route_expert_num_per_moe), int(hidden_size), int(top_k), x_dtype)] = st
+    return st
 
 
 def dispatch_send_async(x, expert_ids, comm_args, comm_id, max_seq_len, batch_size, hidden_size, top_k,
@@ -785,9 +791,8 @@ def dispatch_send_async(x, expert_ids, comm_args, comm_id, max_seq_len, batch_si
     at once. Weights come with combine_recv_async."""
     st = _split_state(group_name, x.dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
                       route_expert_num_per_moe, world_size, tp_size)
-    if int(batch_size) != x.shape[0]:
-        raise AfdError(f"cam afd dispatch_send_async: batch_size {batch_size} but x has {x.shape[0]} rows")
-    _cam_send(st, x, expert_ids, None, int(layer_index), dynamic_quant)
+    refusal = None if int(batch_size) == x.shape[0] else f"batch_size {batch_size} but x has {x.shape[0]} rows"
+    _cam_send(st, x, expert_ids, None, int(layer_index), dynamic_quant, refusal)
     return torch.zeros(1, dtype=torch.int8)
 
 
@@ -829,13 +834,12 @@ def combine_recv_async(expand_x, expert_ids, expert_scales, comm_args, comm_id, 
     """CAM's split combine receive: (batch_size, H), the oldest dispatch's tokens combined with
     ``expert_scales``. ``max_seq_len`` (an extension): when the channel was created with one
     other than batch_size."""
-    st = None
-    for key, s in _cam_states.items():   # the channel dispatch_send_async created
-        if (key[0] == _resolve_group(group_name).group_name and key[1] == tuple(range(int(attn_rank_num)))
-                and key[3:6] == (int(route_expert_num_per_moe), int(hidden_size), int(top_k))
-                and (max_seq_len is None or key[6] == int(max_seq_len)) and key[7] == expand_x.dtype):
-            st = s
-            break
+    if max_seq_len is not None:
+        st = _split_state(group_name, expand_x.dtype, max_seq_len, hidden_size, top_k, moe_rank_num, attn_rank_num,
+                          route_expert_num_per_moe, world_size, 1)
+    else:
+        st = _split_by_shape.get((_resolve_group(group_name).group_name, int(attn_rank_num), int(moe_rank_num),
+                                  int(route_expert_num_per_moe), int(hidden_size), int(top_k), expand_x.dtype))
     if st is None:
         raise AfdError("cam afd combine_recv_async: no dispatch_send_async of this shape was sent")
     h = _cam_oldest(st, "combine_recv_async")
