@@ -1,6 +1,7 @@
 """The creator torch.distributed calls for every cam group, and lookup helpers."""
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -23,22 +24,74 @@ def _describe_group(dist_backend_opts) -> str:
     return f"'{dist_backend_opts.group_id}' (global ranks {ranks if ranks else 'all'})"
 
 
+# group_id -> backend of groups that span hosts (their extensions refuse with a clear error).
+_spanning: "weakref.WeakValueDictionary[str, _C.HierarchicalBackend]" = weakref.WeakValueDictionary()
+
+
+def _host_table(store, rank: int, size: int, timeout, where: str) -> tuple[list[str], list[str]]:
+    """Every rank's host key and hostname, read before any window is opened, so that every rank
+    decides the group's shape from the same table. Keys carry the restart attempt: a store
+    reused by a restarted job (torchrun --max-restarts) may still hold the last attempt's."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store.set(f"cam_host/{attempt}/{rank}", f"{_C.host_key()}\n{_C.host_name()}")
+    keys = [f"cam_host/{attempt}/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception as e:  # noqa: BLE001 (the store's own error names no rank)
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise RuntimeError(f"{where}: ranks {missing} did not publish their host within the group "
+                           f"timeout ({timeout.total_seconds():.0f} s): {e}") from None
+    records = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
+    return [r[0] for r in records], [r[1] if len(r) > 1 else r[0] for r in records]
+
+
 def create_backend(dist_backend_opts, pg_options):
     opts = Options.from_env().merged(pg_options)
     # Flight-recorder dumps are named by global rank; torch creates the default group (whose
     # rank is the global one) before dist.get_rank() works.
     _C.set_trace_rank(dist.get_rank() if dist.is_initialized() else dist_backend_opts.group_rank)
-    backend = _C.CamBackend(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        dist_backend_opts.timeout.total_seconds(),
-        opts.to_native(),
-        str(dist_backend_opts.group_id),
-        _describe_group(dist_backend_opts),
-    )
-    _backends[str(dist_backend_opts.group_id)] = backend
+    store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
+    group_id, desc = str(dist_backend_opts.group_id), _describe_group(dist_backend_opts)
+    keys, names = _host_table(store, rank, size, dist_backend_opts.timeout,
+                              f"cam init of group {desc} on rank {rank}")
+    if len(set(keys)) > 1:
+        backend = _create_hierarchical(dist_backend_opts, opts, keys, names)
+        _spanning[group_id] = backend
+        return backend
+    backend = _C.CamBackend(store, rank, size, dist_backend_opts.timeout.total_seconds(), opts.to_native(),
+                            group_id, desc)
+    _backends[group_id] = backend
     return backend
+
+
+def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], names: list[str]):
+    """A group across hosts: cam over each host's ranks, torch's gloo between hosts (over all
+    ranks, over the rails of equal local index, over the hosts' leaders); the native
+    HierarchicalBackend composes them. Every rank builds the parts in the same order."""
+    store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
+    timeout = dist_backend_opts.timeout
+    group_id, desc = str(dist_backend_opts.group_id), _describe_group(dist_backend_opts)
+    hosts = list(dict.fromkeys(keys))
+    host = hosts.index(keys[rank])
+    local_ranks = [r for r in range(size) if keys[r] == keys[rank]]
+    local_rank = local_ranks.index(rank)
+    counts = [keys.count(k) for k in hosts]
+    uniform = len(set(counts)) == 1
+    host_names = [names[keys.index(k)] for k in hosts]
+    local = _C.CamBackend(dist.PrefixStore(f"cam_host{host}/", store), local_rank, len(local_ranks),
+                          timeout.total_seconds(), opts.to_native(), f"{group_id}/host{host}",
+                          f"{desc}, its ranks {local_ranks} on host {host_names[host]}")
+    gloo = dist.ProcessGroupGloo
+    all_ranks = gloo(dist.PrefixStore("cam_all/", store), rank, size, timeout=timeout)
+    rail = gloo(dist.PrefixStore(f"cam_rail{local_rank}/", store), host, len(hosts), timeout=timeout) if uniform else None
+    if local_rank != 0:
+        leaders = None
+    elif uniform:
+        leaders = rail
+    else:
+        leaders = gloo(dist.PrefixStore("cam_leaders/", store), host, len(hosts), timeout=timeout)
+    return _C.HierarchicalBackend(rank, size, keys, names, local, all_ranks, rail, leaders, store,
+                                  f"{desc} on hosts {', '.join(host_names)}")
 
 
 def get_cam_backend(group=None) -> "_C.CamBackend":
@@ -52,5 +105,13 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
     for b in _backends.values():
         if b.group_id == getattr(pg, "group_name", None):
             return b
+    spanning = backend if isinstance(backend, _C.HierarchicalBackend) else _spanning.get(getattr(pg, "group_name", ""))
+    if spanning is not None:
+        names = spanning.host_names
+        raise RuntimeError(
+            f"torch_cam: group {pg.group_name!r} spans {len(names)} hosts ({', '.join(names)}); this "
+            "operation reads and writes peers' memory directly, which needs every rank of the group on "
+            "one host (between hosts it needs one-sided operations of the UCX transport, which this "
+            "build of torch_cam does not have). Collectives and point-to-point work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "
                        f"(its CPU backend is {type(backend).__name__})")

@@ -73,6 +73,16 @@ void Engine::submit(std::shared_ptr<Op> op, const std::vector<at::Tensor>* tenso
 
 void Engine::poll() { drive_and_complete(); }
 
+void Engine::fail(const std::string& why) {
+  Finished finished;
+  {
+    std::lock_guard<std::mutex> lk(drive_mu_);
+    absorb_incoming(finished);
+    fail_all(why, finished);
+  }
+  complete(finished);
+}
+
 bool Engine::drive_and_complete() {
   Finished finished;
   bool progress = false;

@@ -43,6 +43,9 @@ class Engine {
   bool wait(const Op& op, std::chrono::milliseconds timeout);
   // One non-blocking progress attempt.
   void poll();
+  // Fails the group from outside its ops (a composite whose other part failed): every pending
+  // and later op fails with `why`, and the peers learn it as from any failure of this rank.
+  void fail(const std::string& why);
 
   // Why peer r is unusable: "failed: <its report>" once it published a failure of its group,
   // "died (<why>)" once its process is gone; empty while it is alive. The one liveness policy:

@@ -6,6 +6,7 @@
 #include <torch/python.h>
 
 #include "../backend/cam_backend.hpp"
+#include "../backend/hierarchical_backend.hpp"
 #include "../transport/shm_heap.hpp"
 #include "../../kernels/copy.hpp"
 
@@ -186,4 +187,24 @@ PYBIND11_MODULE(_C, m) {
       py::arg("path"), py::arg("reason"));
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
         "Remove /dev/shm names left by cam processes of this user that no longer exist");
+  m.def("host_key", &cam::host_key,
+        "This process's host identity: ranks with equal keys share a kernel and /dev/shm (TORCH_CAM_HOST_ID overrides)");
+  m.def("host_name", &cam::host_name, "This machine's hostname (for messages)");
+  py::class_<cam::HierarchicalBackend, c10d::Backend, c10::intrusive_ptr<cam::HierarchicalBackend>>(
+      m, "HierarchicalBackend", "The cam backend of a group whose ranks span hosts")
+      .def(py::init([](int rank, int size, const std::vector<std::string>& host_keys,
+                       const std::vector<std::string>& host_names, const c10::intrusive_ptr<cam::CamBackend>& local,
+                       const c10::intrusive_ptr<c10d::Backend>& all, const c10::intrusive_ptr<c10d::Backend>& rail,
+                       const c10::intrusive_ptr<c10d::Backend>& leaders, const c10::intrusive_ptr<c10d::Store>& store,
+                       const std::string& group_desc) {
+             return c10::make_intrusive<cam::HierarchicalBackend>(
+                 rank, size, cam::HostMap::from_keys(host_keys, host_names), local,
+                 cam::HierarchicalBackend::InterHost{all, rail, leaders}, store, group_desc);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("host_keys"), py::arg("host_names"), py::arg("local"),
+           py::arg("all"), py::arg("rail"), py::arg("leaders"), py::arg("store"), py::arg("group_desc"))
+      .def_property_readonly("local", &cam::HierarchicalBackend::local, "The backend of this host's ranks")
+      .def_property_readonly("host_names", [](const cam::HierarchicalBackend& b) { return b.host_map().names; })
+      .def_property_readonly("host_ranks", [](const cam::HierarchicalBackend& b) { return b.host_map().ranks; },
+                             "The group ranks on each host, hosts in order of their lowest rank");
 }

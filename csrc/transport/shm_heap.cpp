@@ -32,12 +32,6 @@ std::string read_first_line(const char* path) {
   return s;
 }
 
-std::string host_identity() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return std::string(host) + "/" + read_first_line("/proc/sys/kernel/random/boot_id");
-}
-
 std::string shm_device() {
   struct stat st {};
   if (stat(kShmDir, &st) != 0) return "?";
@@ -130,6 +124,17 @@ std::string mapped_record(const std::string& attempt, int64_t pid, const std::st
 
 }  // namespace
 
+std::string host_key() {
+  if (const char* id = std::getenv("TORCH_CAM_HOST_ID"); id != nullptr && *id != '\0') return std::string("id:") + id;
+  return "boot:" + read_first_line("/proc/sys/kernel/random/boot_id") + "/shm:" + shm_device();
+}
+
+std::string host_name() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
 int ShmHeap::sweep_stale_segments() {
   // Names are torch_cam.<uid>.<pid>.<random>; only this user's, only dead owners.
   const std::string mine = std::string(kNamePrefix) + std::to_string(getuid()) + ".";
@@ -157,7 +162,7 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   me.pid = getpid();
   char state = 0;
   proc_stat(me.pid, &state, &me.start_time);
-  me.host = host_identity();
+  me.host = host_key();
   me.shm_dev = shm_device();
   me.attempt = restart_attempt();
   me.segment = "/" + std::string(kNamePrefix) + std::to_string(getuid()) + "." +

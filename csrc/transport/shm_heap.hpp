@@ -28,11 +28,18 @@
 
 namespace cam {
 
+// A host is "same kernel and same /dev/shm" (boot id + device and inode of /dev/shm): ranks
+// with equal keys can map each other's windows. TORCH_CAM_HOST_ID, when set, is the key instead
+// (as NCCL_HOSTID is NCCL's), for machines whose ranks share memory some other way or to split
+// one machine into simulated hosts. The hostname only names a host in messages.
+std::string host_key();
+std::string host_name();
+
 struct PeerInfo {
   std::string segment;
   int64_t pid = 0;
   uint64_t start_time = 0;  // /proc/<pid>/stat field 22, guards against pid reuse
-  std::string host;         // hostname + boot id
+  std::string host;         // host_key()
   std::string shm_dev;      // device and inode of /dev/shm
   uint64_t window_addr = 0; // where the owner mapped its window (target of the probe)
   std::string attempt;      // restart attempt of the owner's job

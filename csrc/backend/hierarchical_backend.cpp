@@ -1,0 +1,237 @@
+#include "hierarchical_backend.hpp"
+
+#include <ATen/core/ivalue.h>
+
+#include <algorithm>
+#include <map>
+
+#include "../core/errors.hpp"
+#include "../transport/wait_policy.hpp"
+
+namespace cam {
+namespace {
+
+// Where a rank that failed an op says why, for the ranks of other hosts.
+constexpr const char* kFailureKey = "cam_hierarchy_failure";
+
+std::string what_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// The Work of a composed op: its Future completes when the worker has run the last step.
+class HierarchicalWork : public c10d::Work {
+ public:
+  HierarchicalWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  void finish_with(std::exception_ptr error) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+  }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout == kNoTimeout) {
+      future_->wait();
+    } else {
+      // Every step has the group's deadline; this only bounds the caller's own wait.
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      Backoff backoff(0, 2000, 500);
+      while (!future_->completed()) {
+        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "cam: Work.wait timed out after ",
+                    timeout.count(), " ms");
+        backoff.pause();
+      }
+    }
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<at::ivalue::Future> future_;
+};
+
+}  // namespace
+
+HostMap HostMap::from_keys(const std::vector<std::string>& keys, const std::vector<std::string>& hostnames) {
+  HostMap m;
+  std::map<std::string, int> index;
+  for (size_t r = 0; r < keys.size(); ++r) {
+    auto it = index.find(keys[r]);
+    if (it == index.end()) {
+      it = index.emplace(keys[r], int(m.ranks.size())).first;
+      m.ranks.emplace_back();
+      m.names.push_back(r < hostnames.size() ? hostnames[r] : keys[r]);
+    }
+    m.host_of.push_back(it->second);
+    m.local_of.push_back(int(m.ranks[it->second].size()));
+    m.ranks[it->second].push_back(int(r));
+  }
+  return m;
+}
+
+int HostMap::max_local() const {
+  size_t n = 0;
+  for (const auto& h : ranks) n = std::max(n, h.size());
+  return int(n);
+}
+
+bool HostMap::uniform() const {
+  for (const auto& h : ranks)
+    if (h.size() != ranks[0].size()) return false;
+  return true;
+}
+
+HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::intrusive_ptr<CamBackend> local,
+                                         InterHost inter, c10::intrusive_ptr<c10d::Store> store,
+                                         std::string group_desc)
+    : c10d::Backend(rank, size),
+      map_(std::move(map)),
+      local_(std::move(local)),
+      inter_(std::move(inter)),
+      store_(std::move(store)),
+      group_desc_(std::move(group_desc)),
+      liveness_interval_(local_->engine()->config().liveness_interval_ms) {
+  TORCH_CHECK(int(map_.host_of.size()) == size && map_.hosts() > 1, "cam: a hierarchical group needs a host map of ",
+              size, " ranks on more than one host");
+  TORCH_CHECK(inter_.all, "cam: a hierarchical group needs an inter-host backend over every rank");
+  TORCH_CHECK(!leader() || inter_.leaders, "cam: the leader of a host needs the leaders' backend");
+  TORCH_CHECK(!map_.uniform() || inter_.rail, "cam: uniform hosts need a rail backend");
+  worker_ = std::thread([this] { worker_main(); });
+}
+
+HierarchicalBackend::~HierarchicalBackend() { shutdown(); }
+
+void HierarchicalBackend::shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) {
+      if (worker_.get_id() == std::this_thread::get_id()) {
+        worker_.detach();
+      } else {
+        worker_.join();
+      }
+    }
+    local_->shutdown();
+  });
+}
+
+uint64_t HierarchicalBackend::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return seq_;
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, std::string name,
+                                                            std::vector<at::Tensor> outputs, Body body) {
+  auto work = c10::make_intrusive<HierarchicalWork>(rank_, type, outputs);
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    TORCH_CHECK(!stop_, "cam ", name, " on rank ", rank_, " of group ", group_desc_, ": the group was shut down");
+    const uint64_t seq = ++seq_;
+    queue_.push_back(Task{str("cam ", name, " (seq ", seq, ") on rank ", rank_, " of group ", group_desc_),
+                          std::move(body), [work](std::exception_ptr e) { work->finish_with(e); }});
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void HierarchicalBackend::worker_main() {
+  while (true) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    if (!fatal_.empty()) {
+      error = std::make_exception_ptr(FatalError(task.name + ": the group is unusable after an earlier error: " + fatal_));
+    } else {
+      try {
+        task.body();
+      } catch (...) {
+        const std::string why = task.name + ": " + what_of(std::current_exception());
+        fail_group(why);
+        error = std::make_exception_ptr(FatalError(why));
+      }
+    }
+    task.finish(error);
+  }
+}
+
+void HierarchicalBackend::fail_group(const std::string& why) {
+  if (!fatal_.empty()) return;
+  fatal_ = why;
+  local_->engine()->fail(why);
+  try {
+    if (!store_->check({kFailureKey})) store_->set(kFailureKey, std::vector<uint8_t>(why.begin(), why.end()));
+  } catch (const std::exception&) {
+    // The store is gone too: the other hosts fail at their own deadline.
+  }
+}
+
+void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) const { w->wait(); }
+
+void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
+  const CamConfig& c = local_->engine()->config();
+  Backoff backoff(0, c.yield_us, c.sleep_max_us);
+  auto next_check = std::chrono::steady_clock::now() + liveness_interval_;
+  while (!w->isCompleted()) {
+    if (std::chrono::steady_clock::now() >= next_check) {
+      if (store_->check({kFailureKey})) {
+        const auto bytes = store_->get(kFailureKey);
+        throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
+      }
+      next_check = std::chrono::steady_clock::now() + liveness_interval_;
+    }
+    backoff.pause();
+  }
+  w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "cam send on rank ", rank_, " of group ", group_desc_,
+              ": peer ", dst, " is not another rank of the group (size ", size_, ")");
+  if (map_.host_of[dst] == my_host()) return local_->send(tensors, map_.local_of[dst], tag);
+  return inter_.all->send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "cam recv on rank ", rank_, " of group ", group_desc_,
+              ": peer ", src, " is not another rank of the group (size ", size_, ")");
+  if (map_.host_of[src] == my_host()) return local_->recv(tensors, map_.local_of[src], tag);
+  return inter_.all->recv(tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at::Tensor>&, int) {
+  TORCH_CHECK(false, "cam recv from any source on rank ", rank_, " of group ", group_desc_,
+              ": not supported in a group that spans hosts; name the source rank");
+}
+
+}  // namespace cam

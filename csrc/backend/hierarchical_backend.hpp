@@ -1,0 +1,161 @@
+// HierarchicalBackend: the "cam" backend of a group whose ranks span hosts (host_key()).
+//
+// The ranks of one host form an inner CamBackend over their shared-memory heap. Between hosts
+// the ops run over c10d backends that the Python creator makes on the group's store (torch's
+// gloo here: the fallback inter-host engine, which needs nothing installed):
+//   all     every rank of the group: point-to-point to other hosts, gather, scatter, all_to_all
+//   rail    the ranks of one local index on every host, when every host has as many ranks
+//   leaders local index 0 of every host (rail 0 when hosts are uniform, its own group otherwise)
+// Collectives are compositions of inner and inter-host steps (hierarchical_collectives.cpp
+// states each), run in issue order on one worker thread; the Work completes after the last
+// step. Point-to-point goes straight to the inner backend (same host) or to `all`.
+//
+// Results are bit-identical on every rank: each output element is computed on one rank and
+// copied to the others. Reduction order: cam's order over a host's ranks, then the inter-host
+// engine's order over the hosts' partial sums.
+//
+// Failure: a step that fails fails the group. The inner engine publishes the cause (ranks of
+// this host raise within one liveness interval) and a key in the group's store names it (ranks
+// of other hosts, waiting on an inter-host step, read it every liveness interval and raise);
+// every later op raises at once. Every step has the group's deadline (cam's own; the inter-host
+// backends are made with the group's timeout).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "cam_backend.hpp"
+
+namespace cam {
+
+// Which host each rank of the group is on; hosts are numbered by their lowest rank, and a
+// host's ranks by rank (their local index).
+struct HostMap {
+  std::vector<int> host_of;              // group rank -> host index
+  std::vector<int> local_of;             // group rank -> local index on its host
+  std::vector<std::vector<int>> ranks;   // host index -> its group ranks, ascending
+  std::vector<std::string> names;        // host index -> hostname, for messages
+
+  static HostMap from_keys(const std::vector<std::string>& keys, const std::vector<std::string>& hostnames);
+  int hosts() const { return int(ranks.size()); }
+  int max_local() const;
+  bool uniform() const;  // every host has as many ranks
+};
+
+class HierarchicalBackend : public c10d::Backend {
+ public:
+  struct InterHost {
+    c10::intrusive_ptr<c10d::Backend> all;      // every rank
+    c10::intrusive_ptr<c10d::Backend> rail;     // uniform hosts only; else null
+    c10::intrusive_ptr<c10d::Backend> leaders;  // on local index 0 only; else null
+  };
+  HierarchicalBackend(int rank, int size, HostMap map, c10::intrusive_ptr<CamBackend> local, InterHost inter,
+                      c10::intrusive_ptr<c10d::Store> store, std::string group_desc);
+  ~HierarchicalBackend() override;
+
+  const std::string getBackendName() const override { return "cam"; }
+  const HostMap& host_map() const { return map_; }
+  const c10::intrusive_ptr<CamBackend>& local() const { return local_; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override;
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+ private:
+  using Body = std::function<void()>;
+  // Queues body on the worker; the Work's result is `outputs`.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string name, std::vector<at::Tensor> outputs,
+                                         Body body);
+  void worker_main();
+  void fail_group(const std::string& why);
+  // Waits for a step: inner steps raise through cam's own waits; inter-host steps are polled so
+  // that a failure another host published in the store ends the wait.
+  void local_step(const c10::intrusive_ptr<c10d::Work>& w) const;
+  void inter_step(const c10::intrusive_ptr<c10d::Work>& w) const;
+
+  // The compositions (hierarchical_collectives.cpp). Tensors are contiguous.
+  void allreduce_one(at::Tensor t, c10d::ReduceOp op);
+  void reduce_one(at::Tensor t, int root, c10d::ReduceOp op);
+  void broadcast_one(at::Tensor t, int root);
+  void gather_rows(const at::Tensor& input, at::Tensor out_rows);           // out_rows: [size, n]
+  void reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op);
+  void barrier_all();
+  // AVG runs as SUM and divides at the end (the inter-host engine has no AVG); PREMUL_SUM and
+  // AVG of integers are refused. Returns the op to run.
+  c10d::ReduceOp reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
+  bool leader() const { return map_.local_of[rank_] == 0; }
+  int my_host() const { return map_.host_of[rank_]; }
+  int local_size() const { return int(map_.ranks[my_host()].size()); }
+
+  HostMap map_;
+  c10::intrusive_ptr<CamBackend> local_;
+  InterHost inter_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string group_desc_;
+  std::chrono::milliseconds liveness_interval_;
+
+  struct Task {
+    std::string name;
+    Body body;
+    std::function<void(std::exception_ptr)> finish;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool stop_ = false;
+  uint64_t seq_ = 0;
+  std::string fatal_;  // worker thread only
+  std::thread worker_;
+  std::once_flag shutdown_once_;
+};
+
+}  // namespace cam

@@ -1,0 +1,436 @@
+// The collectives of a group that spans hosts, as compositions of steps on the host's cam
+// backend (local) and the inter-host backends (rail, leaders, all); hierarchical_backend.hpp
+// says what each is. Every body runs on the worker thread, in issue order on every rank.
+//
+// Shapes of the compositions (H hosts, L ranks on this host, n elements):
+//   all_reduce, small or hosts of unequal size: local reduce to index 0, leaders all_reduce,
+//     local broadcast from index 0.
+//   all_reduce, large on uniform hosts (rails): local reduce_scatter into L shards, rail r
+//     all_reduces shard r across hosts (all rails at once), local all_gather.
+//   broadcast: the root's host broadcasts locally; then leaders broadcast (small) or rail r
+//     broadcasts shard r (large, uniform) and the other hosts broadcast (gather) locally.
+//   all_gather: rail all_gather then local all_gather (uniform); else local all_gather,
+//     leaders all_gather the host blocks, local broadcast. Rows are then put in rank order.
+//   reduce_scatter: local reduce_scatter of rows ordered by (local index, host), then rail
+//     all_reduce of those H rows (uniform); else local reduce, leaders all_reduce the host
+//     blocks, local broadcast of the host's block.
+//   reduce: local reduce, leaders reduce to the root's host, local broadcast there if the root
+//     is not its leader. barrier: local, leaders, local.
+//   gather, scatter, all_to_all: the inter-host backend over all ranks, directly.
+#include <ATen/ATen.h>
+
+#include "../core/errors.hpp"
+#include "hierarchical_backend.hpp"
+
+namespace cam {
+namespace {
+
+// From this size a uniform group all-reduces and broadcasts over rails: every rank's link
+// carries 1/L of the bytes instead of the leader's carrying all of them.
+// Between hosts reduce_scatter runs as an all_reduce of the rows: gloo's reduce_scatter works
+// only inside Work.wait() and never reports completion, so it cannot be waited on beside the
+// store's failure key.
+constexpr int64_t kRailMinBytes = 64 << 10;
+
+c10d::AllreduceOptions allreduce_opts(const c10d::ReduceOp& op) {
+  c10d::AllreduceOptions o;
+  o.reduceOp = op;
+  return o;
+}
+c10d::ReduceOptions reduce_opts(const c10d::ReduceOp& op, int root) {
+  c10d::ReduceOptions o;
+  o.reduceOp = op;
+  o.rootRank = root;
+  return o;
+}
+c10d::BroadcastOptions broadcast_opts(int root) {
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  return o;
+}
+c10d::ReduceScatterOptions reduce_scatter_opts(const c10d::ReduceOp& op) {
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = op;
+  return o;
+}
+
+at::Tensor index_tensor(const std::vector<int64_t>& v) {
+  return at::tensor(v, at::TensorOptions().dtype(at::kLong));
+}
+
+bool is_avg(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::AVG; }
+
+}  // namespace
+
+c10d::ReduceOp HierarchicalBackend::reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const {
+  TORCH_CHECK(op.op_ != c10d::ReduceOp::PREMUL_SUM, name,
+              ": PREMUL_SUM is not supported in a group that spans hosts; use SUM, AVG, PRODUCT, MIN, MAX, BAND, "
+              "BOR or BXOR");
+  if (!is_avg(op)) return op;
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()), name,
+              ": AVG of ", t.scalar_type(), " is not supported in a group that spans hosts; use SUM and divide");
+  return c10d::ReduceOp(c10d::ReduceOp::SUM);
+}
+
+void HierarchicalBackend::allreduce_one(at::Tensor t, c10d::ReduceOp op) {
+  const int ls = local_size();
+  const int64_t n = t.numel();
+  if (inter_.rail && ls > 1 && int64_t(t.nbytes()) >= kRailMinBytes) {
+    const int64_t shard = (n + ls - 1) / ls;
+    at::Tensor flat = t.view(-1);
+    const bool padded = shard * ls != n;
+    at::Tensor buf = padded ? at::zeros({shard * ls}, t.options()) : flat;
+    if (padded) buf.narrow(0, 0, n).copy_(flat);
+    at::Tensor part = at::empty({shard}, t.options());
+    local_step(local_->_reduce_scatter_base(part, buf, reduce_scatter_opts(op)));
+    std::vector<at::Tensor> parts{part};
+    inter_step(inter_.rail->allreduce(parts, allreduce_opts(op)));
+    local_step(local_->_allgather_base(buf, part, c10d::AllgatherOptions()));
+    if (padded) flat.copy_(buf.narrow(0, 0, n));
+    return;
+  }
+  std::vector<at::Tensor> v{t};
+  if (ls > 1) local_step(local_->reduce(v, reduce_opts(op, 0)));
+  if (leader()) inter_step(inter_.leaders->allreduce(v, allreduce_opts(op)));
+  if (ls > 1) local_step(local_->broadcast(v, broadcast_opts(0)));
+}
+
+void HierarchicalBackend::reduce_one(at::Tensor t, int root, c10d::ReduceOp op) {
+  const int ls = local_size();
+  std::vector<at::Tensor> v{t};
+  if (ls > 1) local_step(local_->reduce(v, reduce_opts(op, 0)));
+  if (leader()) inter_step(inter_.leaders->reduce(v, reduce_opts(op, map_.host_of[root])));
+  if (my_host() == map_.host_of[root] && map_.local_of[root] != 0) local_step(local_->broadcast(v, broadcast_opts(0)));
+}
+
+void HierarchicalBackend::broadcast_one(at::Tensor t, int root) {
+  const int ls = local_size();
+  const int root_host = map_.host_of[root];
+  const bool on_root_host = my_host() == root_host;
+  std::vector<at::Tensor> v{t};
+  if (on_root_host && ls > 1) local_step(local_->broadcast(v, broadcast_opts(map_.local_of[root])));
+  if (inter_.rail && ls > 1 && int64_t(t.nbytes()) >= kRailMinBytes) {
+    const int64_t n = t.numel();
+    const int64_t shard = (n + ls - 1) / ls;
+    at::Tensor flat = t.view(-1);
+    const bool padded = shard * ls != n;
+    at::Tensor buf = padded ? at::zeros({shard * ls}, t.options()) : flat;
+    if (padded && on_root_host) buf.narrow(0, 0, n).copy_(flat);
+    at::Tensor part = on_root_host ? buf.narrow(0, map_.local_of[rank_] * shard, shard) : at::empty({shard}, t.options());
+    std::vector<at::Tensor> parts{part};
+    inter_step(inter_.rail->broadcast(parts, broadcast_opts(root_host)));
+    if (!on_root_host) {
+      local_step(local_->_allgather_base(buf, part, c10d::AllgatherOptions()));
+      if (padded) flat.copy_(buf.narrow(0, 0, n));
+    }
+    return;
+  }
+  if (leader()) inter_step(inter_.leaders->broadcast(v, broadcast_opts(root_host)));
+  if (!on_root_host && ls > 1) local_step(local_->broadcast(v, broadcast_opts(0)));
+}
+
+void HierarchicalBackend::gather_rows(const at::Tensor& input, at::Tensor out_rows) {
+  const int hosts = map_.hosts();
+  const int ls = local_size();
+  const int64_t n = input.numel();
+  at::Tensor in = input.reshape({n});
+  std::vector<int64_t> idx(size_);
+  at::Tensor all;
+  if (inter_.rail) {
+    // by_host[h]: the input of host h's rank of this rank's local index.
+    // (The engines take flat buffers: gloo compares the output's chunks with the input's shape.)
+    at::Tensor by_host = at::empty({int64_t(hosts) * n}, input.options());
+    inter_step(inter_.rail->_allgather_base(by_host, in, c10d::AllgatherOptions()));
+    all = by_host;
+    if (ls > 1) {
+      all = at::empty({int64_t(ls) * hosts * n}, input.options());
+      local_step(local_->_allgather_base(all, by_host, c10d::AllgatherOptions()));
+    }
+    for (int g = 0; g < size_; ++g) idx[g] = int64_t(map_.local_of[g]) * hosts + map_.host_of[g];
+    all = all.view({int64_t(ls) * hosts, n});
+  } else {
+    const int m = map_.max_local();
+    at::Tensor host_rows = at::zeros({int64_t(m) * n}, input.options());
+    at::Tensor mine = host_rows.narrow(0, 0, int64_t(ls) * n);
+    if (ls > 1) {
+      local_step(local_->_allgather_base(mine, in, c10d::AllgatherOptions()));
+    } else {
+      mine.copy_(in);
+    }
+    all = at::empty({int64_t(hosts) * m * n}, input.options());
+    if (leader()) inter_step(inter_.leaders->_allgather_base(all, host_rows, c10d::AllgatherOptions()));
+    std::vector<at::Tensor> v{all};
+    if (ls > 1) local_step(local_->broadcast(v, broadcast_opts(0)));
+    for (int g = 0; g < size_; ++g) idx[g] = int64_t(map_.host_of[g]) * m + map_.local_of[g];
+    all = all.view({int64_t(hosts) * m, n});
+  }
+  at::index_select_out(out_rows, all, 0, index_tensor(idx));
+}
+
+void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op) {
+  const int hosts = map_.hosts();
+  const int ls = local_size();
+  const int lr = map_.local_of[rank_];
+  const int64_t n = out.numel();
+  if (inter_.rail) {
+    // x[l][h] = the row for host h's rank of local index l.
+    std::vector<int64_t> idx(size_);
+    for (int l = 0; l < ls; ++l)
+      for (int h = 0; h < hosts; ++h) idx[l * hosts + h] = map_.ranks[h][l];
+    at::Tensor x = in_rows.index_select(0, index_tensor(idx)).view(-1);
+    at::Tensor y = x;  // y[h]: this host's partial for host h's rank of this rank's local index
+    if (ls > 1) {
+      y = at::empty({int64_t(hosts) * n}, out.options());
+      local_step(local_->_reduce_scatter_base(y, x, reduce_scatter_opts(op)));
+    }
+    std::vector<at::Tensor> ys{y};
+    inter_step(inter_.rail->allreduce(ys, allreduce_opts(op)));
+    out.view(-1).copy_(y.narrow(0, int64_t(my_host()) * n, n));
+    return;
+  }
+  const int m = map_.max_local();
+  at::Tensor x = at::zeros({int64_t(hosts) * m, n}, out.options());
+  std::vector<int64_t> pos(size_);
+  for (int g = 0; g < size_; ++g) pos[g] = int64_t(map_.host_of[g]) * m + map_.local_of[g];
+  x.index_copy_(0, index_tensor(pos), in_rows);
+  x = x.view(-1);
+  std::vector<at::Tensor> v{x};
+  if (ls > 1) local_step(local_->reduce(v, reduce_opts(op, 0)));
+  at::Tensor block = at::empty({int64_t(m) * n}, out.options());
+  if (leader()) {
+    inter_step(inter_.leaders->allreduce(v, allreduce_opts(op)));
+    block.copy_(x.narrow(0, int64_t(my_host()) * m * n, int64_t(m) * n));
+  }
+  std::vector<at::Tensor> b{block};
+  if (ls > 1) local_step(local_->broadcast(b, broadcast_opts(0)));
+  out.view(-1).copy_(block.narrow(0, int64_t(lr) * n, n));
+}
+
+void HierarchicalBackend::barrier_all() {
+  const int ls = local_size();
+  if (ls > 1) local_step(local_->barrier(c10d::BarrierOptions()));
+  if (leader()) inter_step(inter_.leaders->barrier(c10d::BarrierOptions()));
+  if (ls > 1) local_step(local_->barrier(c10d::BarrierOptions()));
+}
+
+// ---- the c10d entry points: argument shapes, then one worker body each ----
+
+namespace {
+void check_one(const std::vector<at::Tensor>& tensors, const char* name) {
+  TORCH_CHECK(tensors.size() == 1, "cam ", name, ": takes one tensor per rank, got ", tensors.size());
+}
+at::Tensor contiguous_of(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+void copy_back(const at::Tensor& work, const at::Tensor& user) {
+  if (!work.is_same(user)) user.copy_(work);
+}
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                              const c10d::AllreduceOptions& opts) {
+  check_one(tensors, "all_reduce");
+  at::Tensor t = tensors[0];
+  return enqueue(c10d::OpType::ALLREDUCE, "all_reduce", tensors, [this, t, op = opts.reduceOp] {
+    const c10d::ReduceOp run = reduction(op, t, "all_reduce");
+    at::Tensor c = contiguous_of(t);
+    allreduce_one(c, run);
+    if (is_avg(op)) c.div_(size_);
+    copy_back(c, t);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                        const c10d::AllreduceCoalescedOptions& opts) {
+  std::vector<at::Tensor> ts = tensors;
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, [this, ts, op = opts.reduceOp] {
+    for (const auto& t : ts) {
+      const c10d::ReduceOp run = reduction(op, t, "all_reduce_coalesced");
+      at::Tensor c = contiguous_of(t);
+      allreduce_one(c, run);
+      if (is_avg(op)) c.div_(size_);
+      copy_back(c, t);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                           const c10d::ReduceOptions& opts) {
+  check_one(tensors, "reduce");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "cam reduce on rank ", rank_, ": root ", opts.rootRank,
+              " is not a rank of the group (size ", size_, ")");
+  at::Tensor t = tensors[0];
+  return enqueue(c10d::OpType::REDUCE, "reduce", tensors, [this, t, root = int(opts.rootRank), op = opts.reduceOp] {
+    const c10d::ReduceOp run = reduction(op, t, "reduce");
+    at::Tensor c = contiguous_of(t);
+    reduce_one(c, root, run);
+    if (is_avg(op) && rank_ == root) c.div_(size_);
+    copy_back(c, t);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                              const c10d::BroadcastOptions& opts) {
+  check_one(tensors, "broadcast");
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "cam broadcast on rank ", rank_, ": root ", opts.rootRank,
+              " is not a rank of the group (size ", size_, ")");
+  at::Tensor t = tensors[0];
+  return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, [this, t, root = int(opts.rootRank)] {
+    at::Tensor c = contiguous_of(t);
+    broadcast_one(c, root);
+    copy_back(c, t);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllgatherOptions&) {
+  check_one(inputs, "all_gather");
+  TORCH_CHECK(outputs.size() == 1 && int(outputs[0].size()) == size_, "cam all_gather on rank ", rank_,
+              ": needs one list of ", size_, " output tensors");
+  at::Tensor in = inputs[0];
+  std::vector<at::Tensor> outs = outputs[0];
+  return enqueue(c10d::OpType::ALLGATHER, "all_gather", outs, [this, in, outs] {
+    for (int g = 0; g < size_; ++g)
+      TORCH_CHECK(outs[g].numel() == in.numel() && outs[g].scalar_type() == in.scalar_type(), "output ", g, " holds ",
+                  outs[g].numel(), " elements of ", outs[g].scalar_type(), ", expected ", in.numel(), " of ",
+                  in.scalar_type());
+    at::Tensor rows = at::empty({size_, in.numel()}, in.options());
+    gather_rows(contiguous_of(in), rows);
+    for (int g = 0; g < size_; ++g) outs[g].copy_(rows[g].view(outs[g].sizes()));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                    const c10d::AllgatherOptions&) {
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output}, [this, out, in] {
+    TORCH_CHECK(out.numel() == int64_t(size_) * in.numel() && out.scalar_type() == in.scalar_type(), "the output holds ",
+                out.numel(), " elements of ", out.scalar_type(), ", expected ", int64_t(size_) * in.numel(), " (",
+                size_, " x ", in.numel(), ") of ", in.scalar_type());
+    at::Tensor c = contiguous_of(out);
+    gather_rows(contiguous_of(in), c.view({size_, in.numel()}));
+    copy_back(c, out);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                    std::vector<at::Tensor>& inputs,
+                                                                                    const c10d::AllgatherOptions&) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "cam all_gather_into_tensor_coalesced: ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  return enqueue(c10d::OpType::COALESCED, "all_gather_into_tensor_coalesced", outputs, [this, outs, ins] {
+    for (size_t i = 0; i < ins.size(); ++i) {
+      TORCH_CHECK(outs[i].numel() == int64_t(size_) * ins[i].numel(), "output ", i, " holds ", outs[i].numel(),
+                  " elements, expected ", int64_t(size_) * ins[i].numel());
+      at::Tensor c = contiguous_of(outs[i]);
+      gather_rows(contiguous_of(ins[i]), c.view({size_, ins[i].numel()}));
+      copy_back(c, outs[i]);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                                   const c10d::ReduceScatterOptions& opts) {
+  check_one(outputs, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1 && int(inputs[0].size()) == size_, "cam reduce_scatter on rank ", rank_,
+              ": needs one list of ", size_, " input tensors");
+  at::Tensor out = outputs[0];
+  std::vector<at::Tensor> ins = inputs[0];
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, [this, out, ins, op = opts.reduceOp] {
+    for (int g = 0; g < size_; ++g)
+      TORCH_CHECK(ins[g].numel() == out.numel() && ins[g].scalar_type() == out.scalar_type(), "input ", g, " holds ",
+                  ins[g].numel(), " elements of ", ins[g].scalar_type(), ", expected ", out.numel(), " of ",
+                  out.scalar_type());
+    const c10d::ReduceOp run = reduction(op, out, "reduce_scatter");
+    std::vector<at::Tensor> flat;
+    for (const auto& t : ins) flat.push_back(t.reshape({-1}));
+    at::Tensor c = contiguous_of(out);
+    reduce_scatter_rows(at::stack(flat), c, run);
+    if (is_avg(op)) c.div_(size_);
+    copy_back(c, out);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                         const c10d::ReduceScatterOptions& opts) {
+  at::Tensor out = output, in = input;
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output},
+                 [this, out, in, op = opts.reduceOp] {
+                   TORCH_CHECK(in.numel() == int64_t(size_) * out.numel() && in.scalar_type() == out.scalar_type(),
+                               "the input holds ", in.numel(), " elements of ", in.scalar_type(), ", expected ",
+                               int64_t(size_) * out.numel(), " (", size_, " x ", out.numel(), ") of ",
+                               out.scalar_type());
+                   const c10d::ReduceOp run = reduction(op, out, "reduce_scatter_tensor");
+                   at::Tensor c = contiguous_of(out);
+                   reduce_scatter_rows(contiguous_of(in).view({size_, out.numel()}), c, run);
+                   if (is_avg(op)) c.div_(size_);
+                   copy_back(c, out);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "cam reduce_scatter_tensor_coalesced: ", outputs.size(),
+              " outputs for ", inputs.size(), " inputs");
+  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  return enqueue(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
+                 [this, outs, ins, op = opts.reduceOp] {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     TORCH_CHECK(ins[i].numel() == int64_t(size_) * outs[i].numel(), "input ", i, " holds ",
+                                 ins[i].numel(), " elements, expected ", int64_t(size_) * outs[i].numel());
+                     const c10d::ReduceOp run = reduction(op, outs[i], "reduce_scatter_tensor_coalesced");
+                     at::Tensor c = contiguous_of(outs[i]);
+                     reduce_scatter_rows(contiguous_of(ins[i]).view({size_, outs[i].numel()}), c, run);
+                     if (is_avg(op)) c.div_(size_);
+                     copy_back(c, outs[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::GatherOptions& opts) {
+  auto outs = outputs;
+  auto ins = inputs;
+  std::vector<at::Tensor> result = outs.empty() ? std::vector<at::Tensor>{} : outs[0];
+  return enqueue(c10d::OpType::GATHER, "gather", result, [this, outs, ins, opts]() mutable {
+    inter_step(inter_.all->gather(outs, ins, opts));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                            std::vector<std::vector<at::Tensor>>& inputs,
+                                                            const c10d::ScatterOptions& opts) {
+  auto outs = outputs;
+  auto ins = inputs;
+  return enqueue(c10d::OpType::SCATTER, "scatter", outputs, [this, outs, ins, opts]() mutable {
+    inter_step(inter_.all->scatter(outs, ins, opts));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                                  std::vector<int64_t>& output_splits,
+                                                                  std::vector<int64_t>& input_splits,
+                                                                  const c10d::AllToAllOptions& opts) {
+  at::Tensor out = output, in = input;
+  auto os = output_splits, is = input_splits;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {output}, [this, out, in, os, is, opts]() mutable {
+    inter_step(inter_.all->alltoall_base(out, in, os, is, opts));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                             std::vector<at::Tensor>& inputs,
+                                                             const c10d::AllToAllOptions& opts) {
+  auto outs = outputs, ins = inputs;
+  return enqueue(c10d::OpType::ALLTOALL, "all_to_all", outputs, [this, outs, ins, opts]() mutable {
+    inter_step(inter_.all->alltoall(outs, ins, opts));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::barrier(const c10d::BarrierOptions&) {
+  return enqueue(c10d::OpType::BARRIER, "barrier", {}, [this] { barrier_all(); });
+}
+
+}  // namespace cam

@@ -1,0 +1,130 @@
+"""Checks of a cam group whose ranks span hosts, run by every rank of an initialized default
+group: every collective and point-to-point op against a pure-PyTorch reference built from
+inputs that every rank can recompute, and bit-identity of float results across ranks (read back
+through a gloo group). Used by tests/test_hierarchical.py (hosts simulated with
+TORCH_CAM_HOST_ID) and tests/multihost/ (hosts simulated with namespaces by multihost.sh)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Small, one element short of the rail threshold's multiple, and past it (rails when uniform).
+SIZES = (1, 7, 16411, 1 << 17)
+
+
+def ints(numel: int, rank: int, salt: int, dtype=torch.float32) -> torch.Tensor:
+    """Small integers (exact under any summation order) that depend only on the arguments."""
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+
+
+def floats(numel: int, rank: int, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + salt)
+    return torch.randn(numel, generator=g)
+
+
+def _same_everywhere(t: torch.Tensor, gloo) -> bool:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t, group=gloo)
+    return all(torch.equal(g.view(torch.int32), t.view(torch.int32)) for g in gathered)
+
+
+def check_all(rank: int, world: int) -> list[str]:
+    """Runs every op; returns what went wrong (empty when all matched)."""
+    bad: list[str] = []
+
+    def expect(name, got, want):
+        if not torch.equal(got, want):
+            diff = (got != want).nonzero()
+            bad.append(f"{name}: {diff.numel()} elements differ, first at {diff[:1].tolist()}: "
+                       f"got {got.flatten()[:4].tolist()} want {want.flatten()[:4].tolist()}")
+
+    gloo = dist.new_group(backend="gloo")
+    for salt, n in enumerate(SIZES):
+        everyone = [ints(n, r, salt) for r in range(world)]
+        mine = everyone[rank]
+        # all_reduce: SUM, MAX, AVG (floats), int64, a non-contiguous tensor
+        t = mine.clone(); dist.all_reduce(t)
+        expect(f"all_reduce sum n={n}", t, torch.stack(everyone).sum(0))
+        t = mine.clone(); dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        expect(f"all_reduce max n={n}", t, torch.stack(everyone).amax(0))
+        t = mine.clone(); dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        expect(f"all_reduce avg n={n}", t, torch.stack(everyone).sum(0) / world)
+        t = mine.to(torch.int64); dist.all_reduce(t)
+        expect(f"all_reduce int64 n={n}", t, torch.stack(everyone).sum(0).to(torch.int64))
+        if n > 1:
+            wide = torch.zeros(n, 2); wide[:, 0] = mine; col = wide[:, 0]
+            dist.all_reduce(col)
+            expect(f"all_reduce strided n={n}", wide[:, 0], torch.stack(everyone).sum(0))
+        f = floats(n, rank, salt); dist.all_reduce(f)
+        if not _same_everywhere(f, gloo):
+            bad.append(f"all_reduce of floats n={n}: results differ between ranks")
+        # reduce to a rank of the last host and to rank 0
+        for root in (world - 1, 0):
+            t = mine.clone(); dist.reduce(t, dst=root)
+            if rank == root:
+                expect(f"reduce root={root} n={n}", t, torch.stack(everyone).sum(0))
+        # broadcast from every rank
+        for root in range(world):
+            t = mine.clone(); dist.broadcast(t, src=root)
+            expect(f"broadcast root={root} n={n}", t, everyone[root])
+        # all_gather (list and tensor)
+        outs = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(outs, mine)
+        expect(f"all_gather n={n}", torch.stack(outs), torch.stack(everyone))
+        out = torch.empty(world * n)
+        dist.all_gather_into_tensor(out, mine)
+        expect(f"all_gather_into_tensor n={n}", out, torch.cat(everyone))
+        # reduce_scatter (list and tensor): rank r gets the sum of everyone's row r
+        rows = [ints(n, r, 100 + salt + j) for r in range(world) for j in range(world)]
+        my_rows = rows[rank * world:(rank + 1) * world]
+        want = torch.stack([rows[r * world + rank] for r in range(world)]).sum(0)
+        out = torch.empty(n); dist.reduce_scatter(out, list(my_rows))
+        expect(f"reduce_scatter n={n}", out, want)
+        out = torch.empty(n); dist.reduce_scatter_tensor(out, torch.cat(my_rows))
+        expect(f"reduce_scatter_tensor n={n}", out, want)
+        out = torch.empty(n); dist.reduce_scatter_tensor(out, torch.cat(my_rows), op=dist.ReduceOp.AVG)
+        expect(f"reduce_scatter_tensor avg n={n}", out, want / world)
+        # gather / scatter to and from the last rank
+        root = world - 1
+        outs = [torch.empty(n) for _ in range(world)] if rank == root else None
+        dist.gather(mine, outs, dst=root)
+        if rank == root:
+            expect(f"gather n={n}", torch.stack(outs), torch.stack(everyone))
+        out = torch.empty(n)
+        dist.scatter(out, [everyone[r] * 3 for r in range(world)] if rank == root else None, src=root)
+        expect(f"scatter n={n}", out, everyone[rank] * 3)
+        # all_to_all_single, equal and uneven splits; all_to_all of lists
+        out = torch.empty(world * n)
+        dist.all_to_all_single(out, torch.cat([ints(n, rank, 200 + salt + d) for d in range(world)]))
+        expect(f"all_to_all_single n={n}", out, torch.cat([ints(n, s, 200 + salt + rank) for s in range(world)]))
+        split = lambda s, d: (s + 2 * d) % 3 + (n % 5)  # noqa: E731 (rows rank s sends rank d)
+        send = torch.cat([ints(split(rank, d), rank, 300 + d) for d in range(world)])
+        out = torch.empty(sum(split(s, rank) for s in range(world)))
+        dist.all_to_all_single(out, send, [split(s, rank) for s in range(world)],
+                               [split(rank, d) for d in range(world)])
+        expect(f"all_to_all_single uneven n={n}", out,
+               torch.cat([ints(split(s, rank), s, 300 + rank) for s in range(world)]))
+        outs = [torch.empty(n) for _ in range(world)]
+        dist.all_to_all(outs, [ints(n, rank, 400 + d) for d in range(world)])
+        expect(f"all_to_all n={n}", torch.stack(outs), torch.stack([ints(n, s, 400 + rank) for s in range(world)]))
+        # point to point: a ring (neighbours on the same host and on the next), then pairs
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        got = torch.empty(n)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, nxt), dist.P2POp(dist.irecv, got, prv)])
+        for q in reqs:
+            q.wait()
+        expect(f"ring send/recv n={n}", got, everyone[prv])
+        for peer in range(world):
+            if peer == rank:
+                continue
+            if rank < peer:
+                dist.send(mine * 2, peer, tag=peer)
+                got = torch.empty(n); dist.recv(got, peer, tag=rank)
+            else:
+                got = torch.empty(n); dist.recv(got, peer, tag=rank)
+                dist.send(mine * 2, peer, tag=peer)
+            expect(f"send/recv {rank}<->{peer} n={n}", got, everyone[peer] * 2)
+    dist.barrier()
+    dist.destroy_process_group(gloo)
+    return bad

@@ -1,0 +1,159 @@
+"""Groups that span hosts, with hosts simulated on this machine by TORCH_CAM_HOST_ID (one key
+per simulated host): cam inside each host, gloo between hosts. tests/multihost/ runs the same
+checks across hosts made of namespaces (needs root)."""
+import datetime
+import os
+import time
+import unittest
+
+import torch
+import torch.distributed as dist
+
+from cam_testing import assert_all_ok, cam_segments, run_ranks
+from hierarchical_checks import check_all
+
+DEADLINE_S = 240
+
+
+def _init(rank, world, init_file, hosts, timeout_s=60):
+    os.environ["TORCH_CAM_HOST_ID"] = f"simhost{hosts[rank]}"
+    import torch_cam  # noqa: F401
+
+    dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _checks(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        import torch_cam
+        assert isinstance(backend, torch_cam._C.HierarchicalBackend), type(backend)
+        want = [[r for r in range(world) if hosts[r] == h] for h in dict.fromkeys(hosts)]
+        assert backend.host_ranks == want, (backend.host_ranks, want)
+        return check_all(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _subgroup(rank, world, init_file, hosts):
+    """A cam subgroup whose ranks are not contiguous per host, inside a world group."""
+    _init(rank, world, init_file, hosts)
+    try:
+        members = [0, 1, 2]  # on hosts 0, 1, 0 of the interleaved layout
+        sub = dist.new_group(members, backend="cam")
+        if rank in members:
+            t = torch.full((5,), float(rank + 1))
+            dist.all_reduce(t, group=sub)
+            assert torch.all(t == sum(m + 1 for m in members)), t
+            out = [torch.empty(3) for _ in members]
+            dist.all_gather(out, torch.full((3,), float(rank)), group=sub)
+            assert [o[0].item() for o in out] == [float(m) for m in members], out
+        dist.barrier()
+        return "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def _extensions_refuse(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts)
+    import torch_cam
+    try:
+        for what, call in (("empty", lambda: torch_cam.empty(4)),
+                           ("all_reduce_", lambda: torch_cam.all_reduce_(torch.ones(2))),
+                           ("Buffer", lambda: torch_cam.Buffer(dist.group.WORLD, 1 << 20))):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "spans 2 hosts" in str(e) and "UCX" in str(e), (what, str(e))
+            else:
+                raise AssertionError(f"{what} worked on a group that spans hosts")
+        t = torch.ones(3)
+        dist.all_reduce(t)  # the group is still usable
+        assert torch.all(t == world)
+        return "ok"
+    finally:
+        dist.destroy_process_group()
+
+
+def _mismatch(rank, world, init_file, hosts):
+    """Rank 3 (host 1) passes a different size: every rank, on both hosts, raises fast."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        t = torch.ones(8 if rank == 3 else 4)
+        start = time.monotonic()
+        try:
+            dist.all_reduce(t)
+        except RuntimeError as e:
+            return ("raised", time.monotonic() - start, str(e))
+        return ("returned", time.monotonic() - start, "")
+    finally:
+        dist.destroy_process_group()
+
+
+def _killed(rank, world, init_file, hosts):
+    """Rank 3 (host 1) dies mid-job: every other rank raises well within the timeout."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    t = torch.ones(1 << 10)
+    dist.all_reduce(t)
+    if rank == 3:
+        os._exit(1)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(t)
+            time.sleep(0.01)
+    except RuntimeError as e:
+        return ("raised", time.monotonic() - start, str(e))
+    return ("returned", time.monotonic() - start, "")
+
+
+class HierarchicalTest(unittest.TestCase):
+    def _run(self, hosts):
+        before = set(cam_segments())
+        results = run_ranks(_checks, len(hosts), hosts, deadline_s=DEADLINE_S)
+        assert_all_ok(self, results)
+        bad = {r: v for r, (_, v) in results.items() if v}
+        self.assertFalse(bad, "\n".join(f"rank {r}: {m}" for r, ms in bad.items() for m in ms))
+        self.assertEqual(set(cam_segments()) - before, set())
+
+    def test_two_hosts_of_two(self):
+        self._run([0, 0, 1, 1])
+
+    def test_two_hosts_interleaved(self):
+        self._run([0, 1, 0, 1])  # hosts' ranks not contiguous
+
+    def test_three_hosts_of_one(self):
+        self._run([0, 1, 2])
+
+    def test_hosts_of_unequal_size(self):
+        self._run([0, 0, 1])  # leaders, no rails
+
+    def test_subgroup_across_hosts(self):
+        assert_all_ok(self, run_ranks(_subgroup, 4, [0, 1, 0, 1], deadline_s=120))
+
+    def test_extensions_refuse_with_the_reason(self):
+        assert_all_ok(self, run_ranks(_extensions_refuse, 4, [0, 0, 1, 1], deadline_s=120))
+
+    def test_mismatch_raises_on_every_host(self):
+        results = run_ranks(_mismatch, 4, [0, 0, 1, 1], deadline_s=120)
+        assert_all_ok(self, results)
+        for r, (_, (how, took, msg)) in results.items():
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+            self.assertIn("all_reduce", msg)
+
+    def test_dead_rank_raises_on_every_host(self):
+        before = set(cam_segments())
+        results = run_ranks(_killed, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
+        for r in (0, 1, 2):
+            status, value = results[r]
+            self.assertEqual(status, "ok", value)
+            how, took, msg = value
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 30.0, f"rank {r} took {took:.1f} s: {msg}")
+        self.assertEqual(set(cam_segments()) - before, set())
+
+
+if __name__ == "__main__":
+    unittest.main()
