@@ -196,7 +196,18 @@ void HierarchicalBackend::fail_group(const std::string& why) {
   }
 }
 
-void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) const { w->wait(); }
+void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) const {
+  try {
+    w->wait();
+  } catch (...) {
+    // The inner group numbers the host's ranks from 0: say which group ranks those are.
+    const auto& mine = map_.ranks[my_host()];
+    std::string ranks;
+    for (size_t i = 0; i < mine.size(); ++i) ranks += str(i ? ", " : "", i, " = ", mine[i]);
+    throw FatalError(str(what_of(std::current_exception()), " (cam ranks on host ", map_.names[my_host()],
+                         ": ", ranks, ")"));
+  }
+}
 
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
   const CamConfig& c = local_->engine()->config();
