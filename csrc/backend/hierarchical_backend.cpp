@@ -210,19 +210,29 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
 }
 
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
-  const CamConfig& c = local_->engine()->config();
-  Backoff backoff(0, c.yield_us, c.sleep_max_us);
-  auto next_check = std::chrono::steady_clock::now() + liveness_interval_;
-  while (!w->isCompleted()) {
-    if (std::chrono::steady_clock::now() >= next_check) {
-      if (store_->check({kFailureKey})) {
-        const auto bytes = store_->get(kFailureKey);
-        throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
-      }
-      next_check = std::chrono::steady_clock::now() + liveness_interval_;
+  // Block on the step's Future (woken by the engine's own thread: polling here would take the
+  // core its network thread needs), waking every liveness interval to read the failure key.
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  w->getFuture()->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lk(done->mu);
+    done->done = true;
+    done->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lk(done->mu);
+  while (!done->cv.wait_for(lk, liveness_interval_, [&] { return done->done; })) {
+    lk.unlock();
+    if (store_->check({kFailureKey})) {
+      const auto bytes = store_->get(kFailureKey);
+      throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
     }
-    backoff.pause();
+    lk.lock();
   }
+  lk.unlock();
   w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
 }
 

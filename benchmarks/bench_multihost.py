@@ -1,0 +1,236 @@
+"""cam across simulated hosts against gloo on the same ranks and against the raw link.
+
+    python benchmarks/bench_multihost.py [--rates none,1gbit] [--sizes 1K,64K,1M,16M] [--samples 5]
+
+Runs itself on 2 hosts x 2 ranks made by the team's multihost.sh (namespaces with their own
+network, /dev/shm and boot id; needs root), once per link shaping (tc tbf; "none" = unshaped
+veth). In one job per shaping it times, for each op and size, cam (cam inside a host, gloo
+between hosts: the build has no UCX) and flat gloo over the same 4 ranks, and between two hosts
+a plain TCP stream (throughput) and a 1-byte ping-pong (round trip). Times are medians over
+samples of the slowest rank, each sample from a barrier. "link" is the op's inter-host bytes
+per direction (the least any algorithm must move: all_reduce 2(H-1)/H x S, all_gather
+(H-1) x L x S, reduce_scatter (H-1)/H x S, all_to_all L x S x (W-L)/W for S bytes per rank)
+over its time, beside the raw stream's. Small all_reduce is also timed on a cam group of one
+host's ranks, for the latency target (round trip x 2 + the single-host time).
+Results: benchmarks/results_multihost.md (written with --write).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+HOSTS, PER_HOST = 2, 2
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def human(n: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def link_bytes(op: str, nbytes: int) -> float:
+    h, l = HOSTS, PER_HOST
+    w = h * l
+    return {"all_reduce": 2 * (h - 1) / h * nbytes, "all_gather": (h - 1) * l * nbytes,
+            "reduce_scatter": (h - 1) / h * nbytes, "all_to_all_single": l * nbytes * (w - l) / w}[op]
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def raw_link(rank: int, store, samples: int) -> dict:
+    """Rank 0 (host 0) against rank PER_HOST (host 1): a TCP stream and a 1-byte ping-pong."""
+    peer = PER_HOST
+    if rank not in (0, peer):
+        return {}
+    if rank == peer:
+        srv = socket.socket()
+        srv.bind((os.environ["MULTIHOST_HOST_ADDR"], 0))
+        srv.listen(1)
+        store.set("bench/raw", f"{os.environ['MULTIHOST_HOST_ADDR']}:{srv.getsockname()[1]}")
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        total = int(conn.recv(32).decode().strip())
+        conn.sendall(b"k")
+        got = 0
+        while got < total:
+            got += len(conn.recv(1 << 20))
+        conn.sendall(b"d")
+        for _ in range(samples * 40):
+            conn.recv(1)
+            conn.sendall(b"p")
+        conn.close()
+        srv.close()
+        return {}
+    host, port = store.get("bench/raw").decode().rsplit(":", 1)
+    s = socket.create_connection((host, int(port)))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    total = 256 << 20
+    s.sendall(f"{total:<32}".encode())
+    s.recv(1)
+    chunk = b"\0" * (1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(total >> 20):
+        s.sendall(chunk)
+    s.recv(1)  # the peer has received every byte
+    stream = total / (time.perf_counter() - t0)
+    rtts = []
+    for _ in range(samples * 40):
+        t0 = time.perf_counter()
+        s.sendall(b"p")
+        s.recv(1)
+        rtts.append(time.perf_counter() - t0)
+    s.close()
+    return {"stream_Bps": stream, "rtt_s": statistics.median(rtts)}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, HERE)
+    from _harness import setup_worker, timed_slowest
+
+    setup_worker(int(os.environ["RANK"]), False)
+    dist.init_process_group("cam", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == HOSTS * PER_HOST, world
+    gloo = dist.new_group(backend="gloo")
+    host_ranks = [list(range(h * PER_HOST, (h + 1) * PER_HOST)) for h in range(HOSTS)]
+    local = None
+    for ranks in host_ranks:  # every rank takes part in every new_group call
+        g = dist.new_group(ranks, backend="cam")
+        if rank in ranks:
+            local = g
+    store = dist.distributed_c10d._get_default_store()
+    raw = raw_link(rank, store, args.samples)
+    rows = []
+    for op in OPS:
+        for nbytes in args.sizes:
+            n = max(1, nbytes // 4)
+            x = torch.ones(n)
+            if op == "all_reduce":
+                out, fn = None, lambda g: dist.all_reduce(x, group=g)
+            elif op == "all_gather":
+                out = torch.empty(world * n)
+                fn = lambda g: dist.all_gather_into_tensor(out, x, group=g)  # noqa: E731
+            elif op == "reduce_scatter":
+                x = torch.ones(n - n % world or world)
+                out = torch.empty(x.numel() // world)
+                fn = lambda g: dist.reduce_scatter_tensor(out, x, group=g)  # noqa: E731
+            else:
+                x = torch.ones(n - n % world or world)
+                out = torch.empty_like(x)
+                fn = lambda g: dist.all_to_all_single(out, x, group=g)  # noqa: E731
+            cam_s = timed_slowest(lambda: fn(None), gloo, args.samples)
+            gloo_s = timed_slowest(lambda: fn(gloo), gloo, args.samples)
+            row = {"op": op, "bytes": nbytes, "cam_s": cam_s, "gloo_s": gloo_s}
+            if op == "all_reduce" and nbytes <= 4096:
+                row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
+            rows.append(row)
+    raws = [None] * world
+    dist.all_gather_object(raws, raw, group=gloo)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"raw": raws[0], "rows": rows}, f)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+def find_tool() -> str:
+    for t in (os.environ.get("TORCH_CAM_MULTIHOST", ""), os.path.join(ROOT, "..", "shared", "tools", "multihost.sh"),
+              "/work/shared/tools/multihost.sh"):
+        if t and os.access(t, os.X_OK):
+            return t
+    sys.exit("bench_multihost: multihost.sh not found (set TORCH_CAM_MULTIHOST)")
+
+
+def run_one(rate: str, args) -> dict:
+    fd, out = tempfile.mkstemp(prefix=".multihost_", suffix=".json", dir=HERE)  # a path every host sees
+    os.close(fd)
+    cmd = [find_tool(), "--torchrun", "--timeout", str(args.timeout)]
+    if rate != "none":
+        cmd += ["--rate", rate]
+    cmd += [str(HOSTS), str(PER_HOST), "--", os.path.abspath(__file__), "--worker", "--out", out,
+            "--samples", str(args.samples), "--sizes", ",".join(str(s) for s in args.sizes)]
+    env = dict(os.environ, MULTIHOST_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
+        if proc.returncode != 0 or os.path.getsize(out) == 0:
+            sys.exit(f"bench_multihost: the {rate} run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
+        os.unlink(out)
+
+
+def table(rate: str, res: dict) -> list[str]:
+    raw = res["raw"]
+    stream, rtt = raw["stream_Bps"], raw["rtt_s"]
+    lines = [f"### {HOSTS} hosts x {PER_HOST} ranks, link {'unshaped (veth)' if rate == 'none' else rate}",
+             "",
+             f"Raw link between two hosts: TCP stream {stream / 1e9:.3f} GB/s, 1-byte round trip {rtt * 1e6:.0f} us.",
+             "",
+             "| op | size per rank | cam ms | gloo ms | cam / gloo speedup | cam link GB/s | of raw stream |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
+        lines.append(f"| {r['op']} | {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
+                     f"{r['gloo_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
+    small = [r for r in res["rows"] if "one_host_s" in r]
+    for r in small:
+        bound = 2 * rtt + r["one_host_s"]
+        lines.append("")
+        lines.append(f"all_reduce {human(r['bytes'])}: cam {r['cam_s'] * 1e6:.0f} us across hosts; one host's "
+                     f"ranks alone {r['one_host_s'] * 1e6:.0f} us; target 2 x round trip + that = "
+                     f"{bound * 1e6:.0f} us ({r['cam_s'] / bound:.2f} of it)")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--rates", default="none,1gbit", help="link shapings, comma-separated (none = unshaped)")
+    p.add_argument("--sizes", default="1K,64K,1M,16M", help="bytes per rank, comma-separated (K/M suffixes)")
+    p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--timeout", type=int, default=900, help="seconds per shaping")
+    p.add_argument("--write", action="store_true", help="also write benchmarks/results_multihost.md")
+    args = p.parse_args()
+    args.sizes = [parse_size(s) if isinstance(s, str) else s for s in str(args.sizes).split(",")]
+    if args.worker:
+        worker(args)
+        return
+    if os.geteuid() != 0:
+        sys.exit("bench_multihost: simulated hosts need root (network and mount namespaces)")
+    out = [f"## cam across hosts ({datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}, "
+           f"{os.cpu_count()} cores shared by all simulated hosts, {args.samples} samples)", ""]
+    for rate in args.rates.split(","):
+        out += table(rate, run_one(rate, args)) + [""]
+    text = "\n".join(out)
+    print(text)
+    if args.write:
+        with open(os.path.join(HERE, "results_multihost.md"), "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
