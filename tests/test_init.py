@@ -96,6 +96,10 @@ def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
         finally:
             store.set("rank1_done", "1")
             os._exit(1)
+    # Every rank reads all ranks' hosts before setting up its window (torch_cam/backend.py): post
+    # this rank's now, as a peer already in init would have, so that rank 1 gets to fail first.
+    # (torch prefixes the default group's keys with "0//cpu//" when init gets a store.)
+    store.set(f"0//cpu//cam_host/0/{rank}", f"{torch_cam._C.host_key()}\n{torch_cam._C.host_name()}")
     store.wait(["rank1_done"])
     time.sleep(1.0)  # rank 1 is gone by now
     start = time.monotonic()

@@ -6,7 +6,6 @@
 #include <map>
 
 #include "../core/errors.hpp"
-#include "../transport/wait_policy.hpp"
 
 namespace cam {
 namespace {
@@ -23,6 +22,30 @@ std::string what_of(const std::exception_ptr& e) {
     return err.what();
   } catch (...) {
     return "unknown error";
+  }
+}
+
+// Blocks until `fut` completes, woken by whoever completes it (never polling: the thread that
+// completes it may need this core). After each `every` without completion calls between(),
+// which may throw to end the wait.
+void block_on(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::chrono::milliseconds every,
+              const std::function<void()>& between) {
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  fut->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lk(done->mu);
+    done->done = true;
+    done->cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lk(done->mu);
+  while (!done->cv.wait_for(lk, every, [&] { return done->done; })) {
+    lk.unlock();
+    between();
+    lk.lock();
   }
 }
 
@@ -52,13 +75,7 @@ class HierarchicalWork : public c10d::Work {
       future_->wait();
     } else {
       // Every step has the group's deadline; this only bounds the caller's own wait.
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
-      Backoff backoff(0, 2000, 500);
-      while (!future_->completed()) {
-        TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "cam: Work.wait timed out after ",
-                    timeout.count(), " ms");
-        backoff.pause();
-      }
+      block_on(future_, timeout, [&] { TORCH_CHECK(false, "cam: Work.wait timed out after ", timeout.count(), " ms"); });
     }
     if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
     return true;
@@ -210,29 +227,12 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
 }
 
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
-  // Block on the step's Future (woken by the engine's own thread: polling here would take the
-  // core its network thread needs), waking every liveness interval to read the failure key.
-  struct Done {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-  };
-  auto done = std::make_shared<Done>();
-  w->getFuture()->addCallback([done](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lk(done->mu);
-    done->done = true;
-    done->cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lk(done->mu);
-  while (!done->cv.wait_for(lk, liveness_interval_, [&] { return done->done; })) {
-    lk.unlock();
+  block_on(w->getFuture(), liveness_interval_, [this] {
     if (store_->check({kFailureKey})) {
       const auto bytes = store_->get(kFailureKey);
       throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
     }
-    lk.lock();
-  }
-  lk.unlock();
+  });
   w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
 }
 

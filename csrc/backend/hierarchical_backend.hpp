@@ -117,8 +117,9 @@ class HierarchicalBackend : public c10d::Backend {
                                          Body body);
   void worker_main();
   void fail_group(const std::string& why);
-  // Waits for a step: inner steps raise through cam's own waits; inter-host steps are polled so
-  // that a failure another host published in the store ends the wait.
+  // Waits for a step: inner steps raise through cam's own waits; inter-host steps block on their
+  // Future and wake every liveness interval, so that a failure another host published in the
+  // store ends the wait.
   void local_step(const c10::intrusive_ptr<c10d::Work>& w) const;
   void inter_step(const c10::intrusive_ptr<c10d::Work>& w) const;
 

@@ -30,11 +30,13 @@ def _scaled_allreduce_hook(state, bucket):
     return fut.then(lambda f: f.value()[0].div_(world))
 
 
-def _train(rank, world_size, init_file, backend, hook, bucket_mb):
+def _train(rank, world_size, init_file, backend, hook, bucket_mb, hosts=None):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
+    if hosts:  # simulated hosts: a cam group across them (cam inside a host, gloo between)
+        os.environ["TORCH_CAM_HOST_ID"] = f"simhost{hosts[rank]}"
     if backend == "cam":
         import torch_cam  # noqa: F401
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
@@ -65,10 +67,10 @@ def _train(rank, world_size, init_file, backend, hook, bucket_mb):
     return losses, state
 
 
-def _compare(testcase, world_size, hook, exact, bucket_mb=0.0005):
+def _compare(testcase, world_size, hook, exact, bucket_mb=0.0005, hosts=None):
     runs = {}
     for backend in ("gloo", "cam"):
-        out = run_ranks(_train, world_size, backend, hook, bucket_mb, deadline_s=180)
+        out = run_ranks(_train, world_size, backend, hook, bucket_mb, hosts, deadline_s=180)
         errors = {r: v for r, (s, v) in out.items() if s != "ok"}
         testcase.assertFalse(errors, f"{backend}: {errors}")
         runs[backend] = {r: v for r, (_, v) in out.items()}
@@ -100,6 +102,9 @@ class DDPMatchesGloo(unittest.TestCase):
 
     def test_future_comm_hook_three_ranks(self):
         _compare(self, 3, hook=True, exact=False)
+
+    def test_across_two_hosts(self):
+        _compare(self, 4, hook=False, exact=False, hosts=[0, 0, 1, 1])
 
 
 if __name__ == "__main__":
