@@ -128,6 +128,8 @@ class HierarchicalBackend : public c10d::Backend {
   void reduce_one(at::Tensor t, int root, c10d::ReduceOp op);
   void broadcast_one(at::Tensor t, int root);
   void gather_rows(const at::Tensor& input, at::Tensor out_rows);           // out_rows: [size, n]
+  // by_host (H equal blocks) gets every host's `mine` over `hosts`, a group of one rank per host.
+  void exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host);
   void reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op);
   void barrier_all();
   // AVG runs as SUM and divides at the end (the inter-host engine has no AVG); PREMUL_SUM and
