@@ -142,6 +142,11 @@ class HierarchicalTest(unittest.TestCase):
             self.assertEqual(how, "raised", f"rank {r}")
             self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
             self.assertIn("all_reduce", msg)
+        # Host 1 refuses the op itself; host 0's leader names that cause, not a closed socket.
+        for r in (2, 3):
+            self.assertIn("contributes", results[r][1][2])
+        self.assertIn("a rank of another host failed", results[0][1][2])
+        self.assertIn("contributes", results[0][1][2])
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())

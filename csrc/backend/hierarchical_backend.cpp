@@ -227,13 +227,26 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
 }
 
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
-  block_on(w->getFuture(), liveness_interval_, [this] {
+  const auto raise_published = [this] {
     if (store_->check({kFailureKey})) {
       const auto bytes = store_->get(kFailureKey);
       throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
     }
-  });
-  w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
+  };
+  block_on(w->getFuture(), liveness_interval_, raise_published);
+  try {
+    w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
+  } catch (...) {
+    // A peer that failed first and then closed its connections: name its cause, not the socket.
+    try {
+      raise_published();
+    } catch (const FatalError&) {
+      throw;
+    } catch (...) {
+      // The store is unreachable: the engine's own error is all there is.
+    }
+    throw;
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
