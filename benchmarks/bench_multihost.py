@@ -61,10 +61,12 @@ def raw_link(rank: int, store, samples: int) -> dict:
         return {}
     if rank == peer:
         srv = socket.socket()
+        srv.settimeout(120)  # every wait has a deadline
         srv.bind((os.environ["MULTIHOST_HOST_ADDR"], 0))
         srv.listen(1)
         store.set("bench/raw", f"{os.environ['MULTIHOST_HOST_ADDR']}:{srv.getsockname()[1]}")
         conn, _ = srv.accept()
+        conn.settimeout(120)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         total = int(conn.recv(32).decode().strip())
         conn.sendall(b"k")
@@ -79,7 +81,7 @@ def raw_link(rank: int, store, samples: int) -> dict:
         srv.close()
         return {}
     host, port = store.get("bench/raw").decode().rsplit(":", 1)
-    s = socket.create_connection((host, int(port)))
+    s = socket.create_connection((host, int(port)), timeout=120)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     total = 256 << 20
     s.sendall(f"{total:<32}".encode())
@@ -215,7 +217,7 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=900, help="seconds per shaping")
     p.add_argument("--write", action="store_true", help="also write benchmarks/results_multihost.md")
     args = p.parse_args()
-    args.sizes = [parse_size(s) if isinstance(s, str) else s for s in str(args.sizes).split(",")]
+    args.sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.worker:
         worker(args)
         return

@@ -49,8 +49,6 @@ def model_shapes(total: int, kind: str) -> list[tuple[int, int]]:
     return [(sizes[i % 3] // (4 * COLS), COLS) for i in range(2048)]
 
 
-
-
 def worker(rank, world, store_path, cfg, result_path):
     _harness.setup_worker(rank, cfg["pin"])
     from torch_cam.weights import Shard, WeightChannel
@@ -124,7 +122,6 @@ def worker(rank, world, store_path, cfg, result_path):
 
             t_gloo = _harness.timed_slowest(bcast(bc_gloo, tr_gloo), gloo, max(1, cfg["samples"] // 2))
             t_cbc = _harness.timed_slowest(bcast(bc_cam, tr_cam), gloo, cfg["samples"])
-            # The bound: one rollout copying what it receives, the others idle.
             # The bound: every rollout copying the bytes it receives within its own memory, all
             # at once (they share the cores and memory bandwidth as in the update), with the
             # threads the channel copies with (torch's intra-op threads here).

@@ -76,17 +76,31 @@ def _extensions_refuse(rank, world, init_file, hosts):
         dist.destroy_process_group()
 
 
+def _timed_raise(call):
+    """("raised" | "returned", seconds, message) of call()."""
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as e:
+        return ("raised", time.monotonic() - start, str(e))
+    return ("returned", time.monotonic() - start, "")
+
+
 def _mismatch(rank, world, init_file, hosts):
     """Rank 3 (host 1) passes a different size: every rank, on both hosts, raises fast."""
     _init(rank, world, init_file, hosts, timeout_s=60)
     try:
-        t = torch.ones(8 if rank == 3 else 4)
-        start = time.monotonic()
-        try:
-            dist.all_reduce(t)
-        except RuntimeError as e:
-            return ("raised", time.monotonic() - start, str(e))
-        return ("returned", time.monotonic() - start, "")
+        return _timed_raise(lambda: dist.all_reduce(torch.ones(8 if rank == 3 else 4)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_rank_bad_list(rank, world, init_file, hosts):
+    """Only rank 1 passes an all_gather output list one short: every rank raises fast."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        outs = [torch.empty(4) for _ in range(world - (1 if rank == 1 else 0))]
+        return _timed_raise(lambda: dist.all_gather(outs, torch.ones(4)))
     finally:
         dist.destroy_process_group()
 
@@ -147,6 +161,15 @@ class HierarchicalTest(unittest.TestCase):
             self.assertIn("contributes", results[r][1][2])
         self.assertIn("a rank of another host failed", results[0][1][2])
         self.assertIn("contributes", results[0][1][2])
+
+    def test_one_rank_alone_bad_arguments_fail_every_rank(self):
+        results = run_ranks(_one_rank_bad_list, 4, [0, 0, 1, 1], deadline_s=120)
+        assert_all_ok(self, results)
+        for r, (_, (how, took, msg)) in results.items():
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+        self.assertIn("needs one list of 4 output tensors", results[1][1][2])
+        self.assertIn("rank 1", results[0][1][2])
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())

@@ -71,13 +71,10 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
     store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout
     group_id, desc = str(dist_backend_opts.group_id), _describe_group(dist_backend_opts)
-    hosts = list(dict.fromkeys(keys))
-    host = hosts.index(keys[rank])
-    local_ranks = [r for r in range(size) if keys[r] == keys[rank]]
-    local_rank = local_ranks.index(rank)
-    counts = [keys.count(k) for k in hosts]
-    uniform = len(set(counts)) == 1
-    host_names = [names[keys.index(k)] for k in hosts]
+    hm = _C.host_map(keys, names)
+    host, local_rank = hm["host_of"][rank], hm["local_of"][rank]
+    local_ranks, host_names, hosts = hm["ranks"][host], hm["names"], hm["ranks"]
+    uniform = len({len(h) for h in hosts}) == 1
     local = _C.CamBackend(dist.PrefixStore(f"cam_host{host}/", store), local_rank, len(local_ranks),
                           timeout.total_seconds(), opts.to_native(), f"{group_id}/host{host}",
                           f"{desc}, its ranks {local_ranks} on host {host_names[host]}")

@@ -286,18 +286,7 @@ void Engine::record_finished(Op& op, const std::exception_ptr& error) {
   const bool debug = cfg_.log_level >= LogLevel::kDebug;
   if (op.trace_finished || (op.trace_id == 0 && !debug)) return;
   op.trace_finished = true;
-  std::string text;
-  if (error) {
-    try {
-      std::rethrow_exception(error);
-    } catch (const c10::Error& e) {
-      text = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      text = e.what();
-    } catch (...) {
-      text = "unknown error";
-    }
-  }
+  const std::string text = error ? error_text(error) : std::string();
   recorder_->finished(op.trace_id, error ? text.c_str() : nullptr);
   if (debug) {
     log_line(LogLevel::kDebug, who_, str(error ? "failed " : "done ", op.name(), " seq ", op.seq(),

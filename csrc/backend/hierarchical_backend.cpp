@@ -13,18 +13,6 @@ namespace {
 // Where a rank that failed an op says why, for the ranks of other hosts.
 constexpr const char* kFailureKey = "cam_hierarchy_failure";
 
-std::string what_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const c10::Error& err) {
-    return err.what_without_backtrace();
-  } catch (const std::exception& err) {
-    return err.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 // Blocks until `fut` completes, woken by whoever completes it (never polling: the thread that
 // completes it may need this core). After each `every` without completion calls between(),
 // which may throw to end the wait.
@@ -127,8 +115,7 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
       local_(std::move(local)),
       inter_(std::move(inter)),
       store_(std::move(store)),
-      group_desc_(std::move(group_desc)),
-      liveness_interval_(local_->engine()->config().liveness_interval_ms) {
+      group_desc_(std::move(group_desc)) {
   TORCH_CHECK(int(map_.host_of.size()) == size && map_.hosts() > 1, "cam: a hierarchical group needs a host map of ",
               size, " ranks on more than one host");
   TORCH_CHECK(inter_.all, "cam: a hierarchical group needs an inter-host backend over every rank");
@@ -193,7 +180,7 @@ void HierarchicalBackend::worker_main() {
       try {
         task.body();
       } catch (...) {
-        const std::string why = task.name + ": " + what_of(std::current_exception());
+        const std::string why = task.name + ": " + error_text(std::current_exception());
         fail_group(why);
         error = std::make_exception_ptr(FatalError(why));
       }
@@ -221,7 +208,7 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
     const auto& mine = map_.ranks[my_host()];
     std::string ranks;
     for (size_t i = 0; i < mine.size(); ++i) ranks += str(i ? ", " : "", i, " = ", mine[i]);
-    throw FatalError(str(what_of(std::current_exception()), " (cam ranks on host ", map_.names[my_host()],
+    throw FatalError(str(error_text(std::current_exception()), " (cam ranks on host ", map_.names[my_host()],
                          ": ", ranks, ")"));
   }
 }
@@ -233,7 +220,8 @@ void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) co
       throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
     }
   };
-  block_on(w->getFuture(), liveness_interval_, raise_published);
+  block_on(w->getFuture(), std::chrono::milliseconds(local_->engine()->config().liveness_interval_ms),
+           raise_published);
   try {
     w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
   } catch (...) {

@@ -61,7 +61,6 @@ class HierarchicalBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "cam"; }
   const HostMap& host_map() const { return map_; }
-  const c10::intrusive_ptr<CamBackend>& local() const { return local_; }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -132,6 +131,11 @@ class HierarchicalBackend : public c10d::Backend {
   void exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host);
   void reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op);
   void barrier_all();
+  // One tensor's op from the user's arguments: checks, contiguity, AVG, the copy back.
+  void allreduce_tensor(const at::Tensor& t, const c10d::ReduceOp& op, const char* name);
+  void allgather_tensor(const at::Tensor& out, const at::Tensor& in);
+  void reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& op,
+                             const char* name);
   // AVG runs as SUM and divides at the end (the inter-host engine has no AVG); PREMUL_SUM and
   // AVG of integers are refused. Returns the op to run.
   c10d::ReduceOp reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
@@ -144,7 +148,6 @@ class HierarchicalBackend : public c10d::Backend {
   InterHost inter_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_desc_;
-  std::chrono::milliseconds liveness_interval_;
 
   struct Task {
     std::string name;

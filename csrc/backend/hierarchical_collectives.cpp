@@ -236,69 +236,97 @@ void HierarchicalBackend::barrier_all() {
   if (ls > 1) local_step(local_->barrier(c10d::BarrierOptions()));
 }
 
-// ---- the c10d entry points: argument shapes, then one worker body each ----
+// ---- the c10d entry points: one worker body each ----
+//
+// Arguments are checked inside the bodies, on the worker: a rank whose arguments are wrong then
+// fails the group (every rank raises within a liveness interval) instead of raising alone and
+// leaving its peers to wait out the timeout.
 
 namespace {
-void check_one(const std::vector<at::Tensor>& tensors, const char* name) {
-  TORCH_CHECK(tensors.size() == 1, "cam ", name, ": takes one tensor per rank, got ", tensors.size());
-}
 at::Tensor contiguous_of(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 void copy_back(const at::Tensor& work, const at::Tensor& user) {
   if (!work.is_same(user)) user.copy_(work);
 }
+const at::Tensor& the_one(const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK(tensors.size() == 1, "takes one tensor per rank, got ", tensors.size());
+  return tensors[0];
+}
+template <typename List>
+const List& the_list(const std::vector<List>& lists, int size, const char* what) {
+  TORCH_CHECK(lists.size() == 1 && int(lists[0].size()) == size, "needs one list of ", size, " ", what, " tensors");
+  return lists[0];
+}
+int checked_root(int64_t root, int size) {
+  TORCH_CHECK(root >= 0 && root < size, "root ", root, " is not a rank of the group (size ", size, ")");
+  return int(root);
+}
 }  // namespace
+
+void HierarchicalBackend::allreduce_tensor(const at::Tensor& t, const c10d::ReduceOp& op, const char* name) {
+  const c10d::ReduceOp run = reduction(op, t, name);
+  at::Tensor c = contiguous_of(t);
+  allreduce_one(c, run);
+  if (is_avg(op)) c.div_(size_);
+  copy_back(c, t);
+}
+
+void HierarchicalBackend::allgather_tensor(const at::Tensor& out, const at::Tensor& in) {
+  TORCH_CHECK(out.numel() == int64_t(size_) * in.numel() && out.scalar_type() == in.scalar_type(), "the output holds ",
+              out.numel(), " elements of ", out.scalar_type(), ", expected ", int64_t(size_) * in.numel(), " (", size_,
+              " x ", in.numel(), ") of ", in.scalar_type());
+  at::Tensor c = contiguous_of(out);
+  gather_rows(contiguous_of(in), c.view({size_, in.numel()}));
+  copy_back(c, out);
+}
+
+void HierarchicalBackend::reduce_scatter_tensor(const at::Tensor& out, const at::Tensor& in, const c10d::ReduceOp& op,
+                                                const char* name) {
+  TORCH_CHECK(in.numel() == int64_t(size_) * out.numel() && in.scalar_type() == out.scalar_type(), "the input holds ",
+              in.numel(), " elements of ", in.scalar_type(), ", expected ", int64_t(size_) * out.numel(), " (", size_,
+              " x ", out.numel(), ") of ", out.scalar_type());
+  const c10d::ReduceOp run = reduction(op, out, name);
+  at::Tensor c = contiguous_of(out);
+  reduce_scatter_rows(contiguous_of(in).view({size_, out.numel()}), c, run);
+  if (is_avg(op)) c.div_(size_);
+  copy_back(c, out);
+}
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
-  check_one(tensors, "all_reduce");
-  at::Tensor t = tensors[0];
-  return enqueue(c10d::OpType::ALLREDUCE, "all_reduce", tensors, [this, t, op = opts.reduceOp] {
-    const c10d::ReduceOp run = reduction(op, t, "all_reduce");
-    at::Tensor c = contiguous_of(t);
-    allreduce_one(c, run);
-    if (is_avg(op)) c.div_(size_);
-    copy_back(c, t);
+  return enqueue(c10d::OpType::ALLREDUCE, "all_reduce", tensors, [this, ts = tensors, op = opts.reduceOp] {
+    allreduce_tensor(the_one(ts), op, "all_reduce");
   });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                         const c10d::AllreduceCoalescedOptions& opts) {
-  std::vector<at::Tensor> ts = tensors;
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, [this, ts, op = opts.reduceOp] {
-    for (const auto& t : ts) {
-      const c10d::ReduceOp run = reduction(op, t, "all_reduce_coalesced");
-      at::Tensor c = contiguous_of(t);
-      allreduce_one(c, run);
-      if (is_avg(op)) c.div_(size_);
-      copy_back(c, t);
-    }
-  });
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors,
+                 [this, ts = tensors, op = opts.reduceOp] {
+                   for (const auto& t : ts) allreduce_tensor(t, op, "all_reduce_coalesced");
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
-  check_one(tensors, "reduce");
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "cam reduce on rank ", rank_, ": root ", opts.rootRank,
-              " is not a rank of the group (size ", size_, ")");
-  at::Tensor t = tensors[0];
-  return enqueue(c10d::OpType::REDUCE, "reduce", tensors, [this, t, root = int(opts.rootRank), op = opts.reduceOp] {
-    const c10d::ReduceOp run = reduction(op, t, "reduce");
-    at::Tensor c = contiguous_of(t);
-    reduce_one(c, root, run);
-    if (is_avg(op) && rank_ == root) c.div_(size_);
-    copy_back(c, t);
-  });
+  return enqueue(c10d::OpType::REDUCE, "reduce", tensors,
+                 [this, ts = tensors, root = opts.rootRank, op = opts.reduceOp] {
+                   const at::Tensor& t = the_one(ts);
+                   const int r = checked_root(root, size_);
+                   const c10d::ReduceOp run = reduction(op, t, "reduce");
+                   at::Tensor c = contiguous_of(t);
+                   reduce_one(c, r, run);
+                   if (is_avg(op) && rank_ == r) c.div_(size_);
+                   copy_back(c, t);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                               const c10d::BroadcastOptions& opts) {
-  check_one(tensors, "broadcast");
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < size_, "cam broadcast on rank ", rank_, ": root ", opts.rootRank,
-              " is not a rank of the group (size ", size_, ")");
-  at::Tensor t = tensors[0];
-  return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, [this, t, root = int(opts.rootRank)] {
+  return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, [this, ts = tensors, root = opts.rootRank] {
+    const at::Tensor& t = the_one(ts);
+    const int r = checked_root(root, size_);
     at::Tensor c = contiguous_of(t);
-    broadcast_one(c, root);
+    broadcast_one(c, r);
     copy_back(c, t);
   });
 }
@@ -306,108 +334,69 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::broadcast(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllgatherOptions&) {
-  check_one(inputs, "all_gather");
-  TORCH_CHECK(outputs.size() == 1 && int(outputs[0].size()) == size_, "cam all_gather on rank ", rank_,
-              ": needs one list of ", size_, " output tensors");
-  at::Tensor in = inputs[0];
-  std::vector<at::Tensor> outs = outputs[0];
-  return enqueue(c10d::OpType::ALLGATHER, "all_gather", outs, [this, in, outs] {
+  std::vector<at::Tensor> result = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
+  return enqueue(c10d::OpType::ALLGATHER, "all_gather", result, [this, outputs, inputs] {
+    const at::Tensor& in = the_one(inputs);
+    const auto& outs = the_list(outputs, size_, "output");
     for (int g = 0; g < size_; ++g)
       TORCH_CHECK(outs[g].numel() == in.numel() && outs[g].scalar_type() == in.scalar_type(), "output ", g, " holds ",
                   outs[g].numel(), " elements of ", outs[g].scalar_type(), ", expected ", in.numel(), " of ",
                   in.scalar_type());
-    at::Tensor rows = at::empty({size_, in.numel()}, in.options());
-    gather_rows(contiguous_of(in), rows);
-    for (int g = 0; g < size_; ++g) outs[g].copy_(rows[g].view(outs[g].sizes()));
+    at::Tensor rows = at::empty({int64_t(size_) * in.numel()}, in.options());
+    allgather_tensor(rows, in);
+    for (int g = 0; g < size_; ++g) outs[g].copy_(rows.narrow(0, g * in.numel(), in.numel()).view(outs[g].sizes()));
   });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                     const c10d::AllgatherOptions&) {
-  at::Tensor out = output, in = input;
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output}, [this, out, in] {
-    TORCH_CHECK(out.numel() == int64_t(size_) * in.numel() && out.scalar_type() == in.scalar_type(), "the output holds ",
-                out.numel(), " elements of ", out.scalar_type(), ", expected ", int64_t(size_) * in.numel(), " (",
-                size_, " x ", in.numel(), ") of ", in.scalar_type());
-    at::Tensor c = contiguous_of(out);
-    gather_rows(contiguous_of(in), c.view({size_, in.numel()}));
-    copy_back(c, out);
-  });
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output},
+                 [this, out = output, in = input] { allgather_tensor(out, in); });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                     std::vector<at::Tensor>& inputs,
                                                                                     const c10d::AllgatherOptions&) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "cam all_gather_into_tensor_coalesced: ", outputs.size(),
-              " outputs for ", inputs.size(), " inputs");
-  std::vector<at::Tensor> outs = outputs, ins = inputs;
-  return enqueue(c10d::OpType::COALESCED, "all_gather_into_tensor_coalesced", outputs, [this, outs, ins] {
-    for (size_t i = 0; i < ins.size(); ++i) {
-      TORCH_CHECK(outs[i].numel() == int64_t(size_) * ins[i].numel(), "output ", i, " holds ", outs[i].numel(),
-                  " elements, expected ", int64_t(size_) * ins[i].numel());
-      at::Tensor c = contiguous_of(outs[i]);
-      gather_rows(contiguous_of(ins[i]), c.view({size_, ins[i].numel()}));
-      copy_back(c, outs[i]);
-    }
+  return enqueue(c10d::OpType::COALESCED, "all_gather_into_tensor_coalesced", outputs, [this, outputs, inputs] {
+    TORCH_CHECK(outputs.size() == inputs.size(), outputs.size(), " outputs for ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) allgather_tensor(outputs[i], inputs[i]);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                                    const c10d::ReduceScatterOptions& opts) {
-  check_one(outputs, "reduce_scatter");
-  TORCH_CHECK(inputs.size() == 1 && int(inputs[0].size()) == size_, "cam reduce_scatter on rank ", rank_,
-              ": needs one list of ", size_, " input tensors");
-  at::Tensor out = outputs[0];
-  std::vector<at::Tensor> ins = inputs[0];
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs, [this, out, ins, op = opts.reduceOp] {
-    for (int g = 0; g < size_; ++g)
-      TORCH_CHECK(ins[g].numel() == out.numel() && ins[g].scalar_type() == out.scalar_type(), "input ", g, " holds ",
-                  ins[g].numel(), " elements of ", ins[g].scalar_type(), ", expected ", out.numel(), " of ",
-                  out.scalar_type());
-    const c10d::ReduceOp run = reduction(op, out, "reduce_scatter");
-    std::vector<at::Tensor> flat;
-    for (const auto& t : ins) flat.push_back(t.reshape({-1}));
-    at::Tensor c = contiguous_of(out);
-    reduce_scatter_rows(at::stack(flat), c, run);
-    if (is_avg(op)) c.div_(size_);
-    copy_back(c, out);
-  });
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "reduce_scatter", outputs,
+                 [this, outputs, inputs, op = opts.reduceOp] {
+                   const at::Tensor& out = the_one(outputs);
+                   const auto& ins = the_list(inputs, size_, "input");
+                   std::vector<at::Tensor> flat;
+                   for (int g = 0; g < size_; ++g) {
+                     TORCH_CHECK(ins[g].numel() == out.numel() && ins[g].scalar_type() == out.scalar_type(), "input ",
+                                 g, " holds ", ins[g].numel(), " elements of ", ins[g].scalar_type(), ", expected ",
+                                 out.numel(), " of ", out.scalar_type());
+                     flat.push_back(ins[g].reshape({-1}));
+                   }
+                   reduce_scatter_tensor(out, at::cat(flat), op, "reduce_scatter");
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                          const c10d::ReduceScatterOptions& opts) {
-  at::Tensor out = output, in = input;
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output},
-                 [this, out, in, op = opts.reduceOp] {
-                   TORCH_CHECK(in.numel() == int64_t(size_) * out.numel() && in.scalar_type() == out.scalar_type(),
-                               "the input holds ", in.numel(), " elements of ", in.scalar_type(), ", expected ",
-                               int64_t(size_) * out.numel(), " (", size_, " x ", out.numel(), ") of ",
-                               out.scalar_type());
-                   const c10d::ReduceOp run = reduction(op, out, "reduce_scatter_tensor");
-                   at::Tensor c = contiguous_of(out);
-                   reduce_scatter_rows(contiguous_of(in).view({size_, out.numel()}), c, run);
-                   if (is_avg(op)) c.div_(size_);
-                   copy_back(c, out);
+                 [this, out = output, in = input, op = opts.reduceOp] {
+                   reduce_scatter_tensor(out, in, op, "reduce_scatter_tensor");
                  });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "cam reduce_scatter_tensor_coalesced: ", outputs.size(),
-              " outputs for ", inputs.size(), " inputs");
-  std::vector<at::Tensor> outs = outputs, ins = inputs;
   return enqueue(c10d::OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs,
-                 [this, outs, ins, op = opts.reduceOp] {
-                   for (size_t i = 0; i < ins.size(); ++i) {
-                     TORCH_CHECK(ins[i].numel() == int64_t(size_) * outs[i].numel(), "input ", i, " holds ",
-                                 ins[i].numel(), " elements, expected ", int64_t(size_) * outs[i].numel());
-                     const c10d::ReduceOp run = reduction(op, outs[i], "reduce_scatter_tensor_coalesced");
-                     at::Tensor c = contiguous_of(outs[i]);
-                     reduce_scatter_rows(contiguous_of(ins[i]).view({size_, outs[i].numel()}), c, run);
-                     if (is_avg(op)) c.div_(size_);
-                     copy_back(c, outs[i]);
-                   }
+                 [this, outputs, inputs, op = opts.reduceOp] {
+                   TORCH_CHECK(outputs.size() == inputs.size(), outputs.size(), " outputs for ", inputs.size(),
+                               " inputs");
+                   for (size_t i = 0; i < inputs.size(); ++i)
+                     reduce_scatter_tensor(outputs[i], inputs[i], op, "reduce_scatter_tensor_coalesced");
                  });
 }
 

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -43,6 +44,9 @@ std::string str(const Args&... args) {
   do {                                                           \
     if (!(cond)) throw ::cam::ArgumentError(::cam::str(__VA_ARGS__)); \
   } while (0)
+
+// The message of an exception, without c10's backtrace ("unknown error" for a non-exception).
+std::string error_text(const std::exception_ptr& e);
 
 std::string describe_bytes(int64_t nbytes, int dtype);  // "4096 bytes of float32"
 std::string dtype_name(int dtype);

@@ -190,6 +190,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("host_key", &cam::host_key,
         "This process's host identity: ranks with equal keys share a kernel and /dev/shm (TORCH_CAM_HOST_ID overrides)");
   m.def("host_name", &cam::host_name, "This machine's hostname (for messages)");
+  m.def(
+      "host_map",
+      [](const std::vector<std::string>& keys, const std::vector<std::string>& hostnames) {
+        const auto m = cam::HostMap::from_keys(keys, hostnames);
+        return py::dict(py::arg("host_of") = m.host_of, py::arg("local_of") = m.local_of, py::arg("ranks") = m.ranks,
+                        py::arg("names") = m.names);
+      },
+      py::arg("keys"), py::arg("hostnames"),
+      "How a group of ranks with these host keys is split into hosts (the numbering every part uses)");
   py::class_<cam::HierarchicalBackend, c10d::Backend, c10::intrusive_ptr<cam::HierarchicalBackend>>(
       m, "HierarchicalBackend", "The cam backend of a group whose ranks span hosts")
       .def(py::init([](int rank, int size, const std::vector<std::string>& host_keys,
@@ -203,7 +212,6 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("host_keys"), py::arg("host_names"), py::arg("local"),
            py::arg("all"), py::arg("rail"), py::arg("leaders"), py::arg("store"), py::arg("group_desc"))
-      .def_property_readonly("local", &cam::HierarchicalBackend::local, "The backend of this host's ranks")
       .def_property_readonly("host_names", [](const cam::HierarchicalBackend& b) { return b.host_map().names; })
       .def_property_readonly("host_ranks", [](const cam::HierarchicalBackend& b) { return b.host_map().ranks; },
                              "The group ranks on each host, hosts in order of their lowest rank");

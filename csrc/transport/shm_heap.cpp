@@ -175,10 +175,9 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
     store->set(window_key(rank_), to_bytes(serialize(me)));
     published = true;
     rendezvous(store, timeout);
-  } catch (const std::exception& e) {
+  } catch (const std::exception&) {
     // Tell the peers why, under the key they wait on next, so that they fail now.
-    std::string why = dynamic_cast<const c10::Error*>(&e) ? static_cast<const c10::Error&>(e).what_without_backtrace()
-                                                           : std::string(e.what());
+    const std::string why = error_text(std::current_exception());
     try {
       if (!published) {
         me.failure = why;
