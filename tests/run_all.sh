@@ -25,6 +25,7 @@ run 900 tests/test_moe_reference.py tests/test_moe.py tests/test_moe_buffer.py
 run 600 tests/test_kv_reference.py tests/test_kv_copy.py tests/test_kv.py
 run 600 tests/test_weights.py
 run 600 tests/test_afd.py
+run 600 tests/test_heap_allocator.py
 run 600 tests/test_hierarchical.py
 run_sh 600 tests/test_multihost.sh
 run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py

@@ -12,7 +12,7 @@ from .config import Options
 from .backend import BACKEND_NAME, create_backend, get_cam_backend
 from .direct import all_reduce_
 from .flight_recorder import dump_flight_recorder, flight_recorder
-from .heap import empty, is_heap_tensor, zeros
+from .heap import empty, heap_allocator_stats, is_heap_tensor, use_heap_allocator, zeros
 from .monitored import monitored_barrier
 from .moe_buffer import Buffer, EventOverlap
 from . import kv  # noqa: F401  (torch_cam.kv.KVTransfer)
@@ -23,6 +23,7 @@ from .moe import (moe_combine_shmem, moe_dispatch_shmem, moe_distribute_combine,
                   moe_distribute_combine_v2, moe_distribute_dispatch, moe_distribute_dispatch_v2)
 
 __all__ = ["Options", "BACKEND_NAME", "get_cam_backend", "empty", "zeros", "is_heap_tensor",
+           "use_heap_allocator", "heap_allocator_stats",
            "monitored_barrier", "all_reduce_",
            "dump_flight_recorder", "flight_recorder", "moe_distribute_dispatch", "moe_distribute_combine",
            "moe_distribute_dispatch_v2", "moe_distribute_combine_v2", "moe_dispatch_shmem",
@@ -30,3 +31,19 @@ __all__ = ["Options", "BACKEND_NAME", "get_cam_backend", "empty", "zeros", "is_h
 __version__ = "0.1.0"
 
 dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu"])
+
+
+def _heap_allocator_from_env() -> None:
+    import os
+    value = os.environ.get("TORCH_CAM_HEAP_ALLOCATOR", "").strip()
+    if not value:
+        return
+    try:
+        min_bytes = int(value)
+    except ValueError:
+        raise ValueError(f"TORCH_CAM_HEAP_ALLOCATOR: expected a byte count (the smallest tensor born in "
+                         f"the heap), got {value!r}") from None
+    use_heap_allocator(min_bytes)
+
+
+_heap_allocator_from_env()

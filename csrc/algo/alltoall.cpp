@@ -2,11 +2,6 @@
 #include "collective.hpp"
 
 namespace cam {
-namespace {
-// Direct reads are issued in pieces of this size: large enough to amortize the syscall,
-// small enough to interleave several peers within one progress pass.
-constexpr int64_t kDirectPieceBytes = 4ll << 20;
-}  // namespace
 
 AllToAllOp::AllToAllOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, int dtype,
                        std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,

@@ -14,11 +14,12 @@ BroadcastOp::BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, boo
   nbytes_ = int64_t(buf_.nbytes());
 }
 
-void BroadcastOp::fill_desc(Context&, CollDesc* d) {
+void BroadcastOp::fill_desc(Context& ctx, CollDesc* d) {
   d->root = root_;
   d->dtype = int32_t(buf_.scalar_type());
   d->elem_size = int32_t(buf_.element_size());
   d->nbytes = nbytes_;
+  d->heap_off = ctx.rank == root_ ? ctx.heap_offset(buf_.data_ptr(), nbytes_) : -1;
 }
 
 void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
@@ -37,9 +38,38 @@ void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& des
                       "'s tensor holds ", describe_bytes(d->nbytes, d->dtype)));
     }
   }
+  root_heap_off_ = root->heap_off;
+}
+
+bool BroadcastOp::in_place_step(Context& ctx) {
+  const WindowLayout& L = ctx.L;
+  if (ctx.rank == root_) {
+    // The receivers copy straight out of the root's tensor: it must stay untouched until
+    // every one of them says it is done.
+    for (int p = 0; p < ctx.world; ++p) {
+      if (p != root_ && signal_acquire(L.consumed(ctx.peer(p), root_)) < stream_value(seq(), 1)) {
+        waiting(p, "the in-place read of the broadcast tensor");
+        return false;
+      }
+    }
+    mark_done();
+    return true;
+  }
+  // One piece per pass, so that p2p traffic beside the collective keeps flowing.
+  const int64_t piece = std::min<int64_t>(kDirectPieceBytes, nbytes_ - next_chunk_);
+  kernels::copy_bytes(static_cast<char*>(buf_.data_ptr()) + next_chunk_,
+                      ctx.peer_heap(root_, root_heap_off_ + next_chunk_), piece);
+  ctx.stats.add(ctx.stats.heap_read_bytes, piece);
+  next_chunk_ += piece;
+  if (next_chunk_ == nbytes_) {
+    signal_release(L.consumed(ctx.me, root_), stream_value(seq(), 1));
+    mark_done();
+  }
+  return true;
 }
 
 bool BroadcastOp::data_step(Context& ctx) {
+  if (root_heap_off_ >= 0) return in_place_step(ctx);
   const WindowLayout& L = ctx.L;
   if (nslots_ == 0) {
     slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, L.coll_bytes() / 2) / 64 * 64;

@@ -130,9 +130,15 @@ class MonitoredBarrierOp final : public CollectiveOp {
   std::vector<int> missing_;  // rank 0: who has not arrived yet
 };
 
+// Reads straight out of a peer's memory (in place from its heap, or by syscall) are issued in
+// pieces of this size: large enough to amortize a syscall, small enough to interleave several
+// peers, and p2p traffic, within one progress pass.
+constexpr int64_t kDirectPieceBytes = 4ll << 20;
+
 // Broadcast: the root copies its tensor once into a ring of slots in its own staging region;
 // every other rank copies each slot out as soon as it is signalled. The root reuses a slot
-// only after every reader has released it, so any size streams through a bounded window.
+// only after every reader has released it, so any size streams through a bounded window. A
+// heap-resident root tensor skips the ring: receivers copy it in place and then signal.
 class BroadcastOp final : public CollectiveOp {
  public:
   BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, bool is_root, at::Tensor tensor);
@@ -145,9 +151,13 @@ class BroadcastOp final : public CollectiveOp {
   bool data_step(Context& ctx) override;
 
  private:
+  // A heap-resident root tensor: every receiver copies it in place, one copy per byte.
+  bool in_place_step(Context& ctx);
   int root_;
   at::Tensor user_, buf_;  // buf_ is contiguous (user_ itself when it already is)
-  int64_t nbytes_, slot_bytes_ = 0, nslots_ = 0, nchunks_ = 0, next_chunk_ = 0;
+  int64_t nbytes_, slot_bytes_ = 0, nslots_ = 0, nchunks_ = 0;
+  int64_t next_chunk_ = 0;  // staged: chunks moved; in place: bytes copied
+  int64_t root_heap_off_ = -1;
 };
 
 // All-to-all over per-pair channels: rank i's staging region is split into one ring per

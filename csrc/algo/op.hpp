@@ -41,16 +41,11 @@ struct Context {
   char* me;  // own window
   Stats& stats;
   char* peer(int r) const { return heap.base(r); }
-  // Offset of [p, p + n) in this rank's tensor arena (a heap-resident tensor), or -1.
-  int64_t heap_offset(const void* p, int64_t n) const;
-  // Where rank r's arena offset `off` is mapped in this process.
-  char* peer_heap(int r, int64_t off) const { return L.arena(peer(r)) + off; }
+  // Heap offset of [p, p + n) when peers can read it in place (a heap-resident tensor), or -1.
+  int64_t heap_offset(const void* p, int64_t n) const { return n <= 0 ? -1 : heap.heap_offset(p, n); }
+  // Where rank r's heap offset `off` is mapped in this process.
+  char* peer_heap(int r, int64_t off) const { return heap.peer_heap(r, off); }
 };
-
-inline int64_t Context::heap_offset(const void* p, int64_t n) const {
-  const TensorArena* a = heap.arena();
-  return a == nullptr || n <= 0 ? -1 : a->offset_of(p, n);
-}
 
 using Clock = std::chrono::steady_clock;
 

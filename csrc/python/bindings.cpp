@@ -7,6 +7,7 @@
 
 #include "../backend/cam_backend.hpp"
 #include "../backend/hierarchical_backend.hpp"
+#include "../transport/heap_allocator.hpp"
 #include "../transport/shm_heap.hpp"
 #include "../../kernels/copy.hpp"
 
@@ -185,6 +186,9 @@ PYBIND11_MODULE(_C, m) {
         TORCH_CHECK(err.empty(), "torch_cam.dump_flight_recorder: ", err);
       },
       py::arg("path"), py::arg("reason"));
+  m.def("set_heap_allocator", &cam::set_heap_allocator, py::arg("min_bytes"),
+        "Born-in-the-heap CPU tensors from min_bytes up (<= 0: restore the previous allocator)");
+  m.def("heap_allocator_stats", &cam::heap_allocator_stats, "The heap allocator mode's counters");
   m.def("sweep_stale_segments", &cam::ShmHeap::sweep_stale_segments,
         "Remove /dev/shm names left by cam processes of this user that no longer exist");
   m.def("host_key", &cam::host_key,

@@ -13,6 +13,10 @@ namespace cam {
 
 class TensorArena;
 
+// Heap offsets name bytes a peer reads in place: in the owner's window tensor arena, or, with
+// this tag, in the owner's process heap (process_heap.hpp).
+constexpr int64_t kProcessHeapTag = int64_t(1) << 61;
+
 class SymmetricHeap {
  public:
   virtual ~SymmetricHeap() = default;
@@ -26,6 +30,11 @@ class SymmetricHeap {
 
   // Allocator of this rank's heap-resident tensors (in its window's tensor arena).
   virtual TensorArena* arena() const = 0;
+  // The heap offset of [p, p + n) when peers can read it in place (it lies in this rank's
+  // window tensor arena, or in its process heap while every rank maps every peer's), else -1.
+  virtual int64_t heap_offset(const void* p, int64_t n) const = 0;
+  // Where rank r's heap offset `off` is mapped in this process.
+  virtual char* peer_heap(int r, int64_t off) const = 0;
 
   // Single-copy path: read bytes straight out of a peer's address space (any memory of the
   // peer, not only its window). True when this rank can do so with every peer.

@@ -98,7 +98,8 @@ std::string restart_attempt() {
 std::string serialize(const PeerInfo& p) {
   std::ostringstream os;
   os << p.segment << '\n' << p.pid << '\n' << p.start_time << '\n' << p.host << '\n' << p.shm_dev
-     << '\n' << p.window_addr << '\n' << p.attempt << '\n' << p.failure;
+     << '\n' << p.window_addr << '\n' << p.process_heap_fd << '\n' << p.process_heap_bytes << '\n'
+     << p.attempt << '\n' << p.failure;
   return os.str();
 }
 
@@ -112,14 +113,17 @@ PeerInfo deserialize(const std::vector<uint8_t>& b) {
   std::getline(is, p.host);
   std::getline(is, p.shm_dev);
   std::getline(is, line); p.window_addr = std::stoull(line);
+  std::getline(is, line); p.process_heap_fd = std::stoi(line);
+  std::getline(is, line); p.process_heap_bytes = std::stoll(line);
   std::getline(is, p.attempt);
   p.failure.assign(std::istreambuf_iterator<char>(is), {});
   return p;
 }
 
-// "mapped" records: attempt, pid of the window's owner, then the failure text (empty: mapped).
-std::string mapped_record(const std::string& attempt, int64_t pid, const std::string& failure) {
-  return attempt + "\n" + std::to_string(pid) + "\n" + failure;
+// "mapped" records: attempt, pid of the window's owner, whether it mapped every peer's process
+// heap (1/0), then the failure text (empty: mapped).
+std::string mapped_record(const std::string& attempt, int64_t pid, bool process_heaps, const std::string& failure) {
+  return attempt + "\n" + std::to_string(pid) + "\n" + (process_heaps ? "1" : "0") + "\n" + failure;
 }
 
 }  // namespace
@@ -165,6 +169,10 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   me.host = host_key();
   me.shm_dev = shm_device();
   me.attempt = restart_attempt();
+  if ((own_process_heap_ = ProcessHeap::own(&process_heap_note_))) {
+    me.process_heap_fd = own_process_heap_->fd();
+    me.process_heap_bytes = own_process_heap_->mapped_bytes();
+  }
   me.segment = "/" + std::string(kNamePrefix) + std::to_string(getuid()) + "." +
                std::to_string(me.pid) + "." + random_hex();
   own_name_ = me.segment;
@@ -183,7 +191,7 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
         me.failure = why;
         store->set(window_key(rank_), to_bytes(serialize(me)));
       }
-      store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, why)));
+      store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, false, why)));
     } catch (const std::exception&) {
       // The store itself failed: the peers learn of it from their own store calls.
     }
@@ -225,8 +233,8 @@ std::string ShmHeap::current_record(const c10::intrusive_ptr<c10d::Store>& store
   }
 }
 
-std::string ShmHeap::mapped_failure(const c10::intrusive_ptr<c10d::Store>& store, int r,
-                                    std::chrono::steady_clock::time_point deadline) {
+ShmHeap::Mapped ShmHeap::mapped_record_of(const c10::intrusive_ptr<c10d::Store>& store, int r,
+                                          std::chrono::steady_clock::time_point deadline) {
   const std::string& me = peers_[rank_].attempt;
   auto record = current_record(store, mapped_key(r), r, deadline, "map the heap", [&](const std::string& v) {
     std::istringstream is(v);
@@ -236,9 +244,11 @@ std::string ShmHeap::mapped_failure(const c10::intrusive_ptr<c10d::Store>& store
     if (attempt != me || pid != std::to_string(peers_[r].pid)) return str("it is of attempt ", attempt, " and process ", pid);
     return std::string();
   });
-  // attempt \n pid \n failure
+  // attempt \n pid \n process heaps \n failure
   const size_t second = record.find('\n', record.find('\n') + 1);
-  return second == std::string::npos ? std::string() : record.substr(second + 1);
+  const size_t third = second == std::string::npos ? second : record.find('\n', second + 1);
+  if (third == std::string::npos) return {};
+  return {record.substr(third + 1), record.compare(second + 1, third - second - 1, "1") == 0};
 }
 
 void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
@@ -264,7 +274,7 @@ void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chro
     if (fd < 0) {
       // Most often the peer failed after publishing (and removed its window): say why.
       const int err = errno;
-      const std::string why = mapped_failure(store, r, deadline);
+      const std::string why = mapped_record_of(store, r, deadline).failure;
       TORCH_CHECK(why.empty(), where_, ": rank ", r, " could not map the heap: ", why);
       TORCH_CHECK(false, where_, ": cannot open rank ", r, "'s window ", p.segment, ": ", std::strerror(err));
     }
@@ -280,12 +290,19 @@ void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chro
   }
   // Every peer is alive and its window exists now: the moment to probe direct reads.
   direct_read_ = probe_direct_read();
-  store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, "")));
+  if (process_heap_note_.empty()) process_heap_note_ = map_process_heaps();
+  bool all_mapped = process_heap_note_.empty();
+  store->set(mapped_key(rank_), to_bytes(mapped_record(me.attempt, me.pid, all_mapped, "")));
   for (int r = 0; r < world_; ++r) {
     if (r == rank_) continue;
-    const std::string why = mapped_failure(store, r, deadline);
-    TORCH_CHECK(why.empty(), where_, ": rank ", r, " could not map the heap: ", why);
+    const Mapped m = mapped_record_of(store, r, deadline);
+    TORCH_CHECK(m.failure.empty(), where_, ": rank ", r, " could not map the heap: ", m.failure);
+    if (!m.process_heaps && all_mapped) {
+      all_mapped = false;
+      process_heap_note_ = str("rank ", r, " could not map every peer's process heap");
+    }
   }
+  process_heaps_mapped_ = all_mapped;
   shm_unlink(own_name_.c_str());
   own_unlinked_ = true;
 }
@@ -375,6 +392,29 @@ void ShmHeap::read_peer(int r, void* local, uint64_t remote_addr, size_t n) cons
   }
 }
 
+std::string ShmHeap::map_process_heaps() {
+  process_heaps_.assign(world_, nullptr);
+  for (int r = 0; r < world_; ++r) {
+    const PeerInfo& p = peers_[r];
+    std::string why;
+    process_heaps_[r] = map_process_heap(p.pid, p.start_time, p.process_heap_fd, p.process_heap_bytes, &why);
+    if (!process_heaps_[r]) return str("cannot map rank ", r, "'s process heap: ", why);
+  }
+  return "";
+}
+
+int64_t ShmHeap::heap_offset(const void* p, int64_t n) const {
+  if (const int64_t off = arena_ ? arena_->offset_of(p, n) : -1; off >= 0) return off;
+  if (!process_heaps_mapped_) return -1;
+  const int64_t off = own_process_heap_->arena().offset_of(p, n);
+  return off < 0 ? -1 : off | kProcessHeapTag;
+}
+
+char* ShmHeap::peer_heap(int r, int64_t off) const {
+  if (off & kProcessHeapTag) return const_cast<char*>(process_heaps_[r]->arena_base) + (off & ~kProcessHeapTag);
+  return layout_.arena(bases_[r]) + off;
+}
+
 std::string ShmHeap::peer_failure(int r) const { return process_gone(peers_[r].pid, peers_[r].start_time); }
 
 void ShmHeap::unmap_all() {
@@ -383,6 +423,8 @@ void ShmHeap::unmap_all() {
     bases_[r] = nullptr;
   }
   arena_.reset();  // the own window goes once the last heap-resident tensor is freed
+  process_heaps_.clear();
+  process_heaps_mapped_ = false;
 }
 
 ShmHeap::~ShmHeap() {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "heap.hpp"
+#include "process_heap.hpp"
 #include "tensor_arena.hpp"
 
 namespace cam {
@@ -42,6 +43,8 @@ struct PeerInfo {
   std::string host;         // host_key()
   std::string shm_dev;      // device and inode of /dev/shm
   uint64_t window_addr = 0; // where the owner mapped its window (target of the probe)
+  int process_heap_fd = -1; // the owner's process heap: descriptor and size (-1: none)
+  int64_t process_heap_bytes = 0;
   std::string attempt;      // restart attempt of the owner's job
   std::string failure;      // non-empty: the owner could not set up its window, and why
 };
@@ -64,6 +67,12 @@ class ShmHeap final : public SymmetricHeap {
   void read_peer(int rank, void* local, uint64_t remote_addr, size_t n) const override;
 
   TensorArena* arena() const override { return arena_.get(); }
+  int64_t heap_offset(const void* p, int64_t n) const override;
+  char* peer_heap(int r, int64_t off) const override;
+  // Whether every rank maps every peer's process heap (so tensors born there are read in
+  // place); otherwise why not.
+  bool process_heaps_mapped() const { return process_heaps_mapped_; }
+  const std::string& process_heap_note() const { return process_heap_note_; }
 
   // Removes /dev/shm names left by cam processes of this user that no longer exist.
   static int sweep_stale_segments();
@@ -71,9 +80,16 @@ class ShmHeap final : public SymmetricHeap {
  private:
   void create_own_window();
   void rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout);
-  // Why rank r could not map the heap ("" when it did), from its "mapped" record.
-  std::string mapped_failure(const c10::intrusive_ptr<c10d::Store>& store, int r,
-                             std::chrono::steady_clock::time_point deadline);
+  // Rank r's "mapped" record: why it could not map the heap ("" when it did), and whether it
+  // mapped every peer's process heap.
+  struct Mapped {
+    std::string failure;
+    bool process_heaps = false;
+  };
+  Mapped mapped_record_of(const c10::intrusive_ptr<c10d::Store>& store, int r,
+                          std::chrono::steady_clock::time_point deadline);
+  // Maps every peer's process heap; "" when all are, else why not.
+  std::string map_process_heaps();
   // The value under `key` written by this attempt's owner of rank r: waits for the key, and
   // past records of an earlier attempt or a dead process, until the deadline.
   std::string current_record(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int r,
@@ -90,6 +106,10 @@ class ShmHeap final : public SymmetricHeap {
   bool own_unlinked_ = false;
   bool direct_read_ = false;
   std::shared_ptr<TensorArena> arena_;
+  std::shared_ptr<ProcessHeap> own_process_heap_;
+  std::vector<std::shared_ptr<const MappedProcessHeap>> process_heaps_;  // by rank, own included
+  bool process_heaps_mapped_ = false;
+  std::string process_heap_note_;
 };
 
 }  // namespace cam

@@ -15,7 +15,7 @@ constexpr int64_t kPage = 4096;
 TensorArena::TensorArena(std::shared_ptr<void> mapping, char* base, int64_t bytes, int fd,
                          off_t fd_offset, int rank)
     : mapping_(std::move(mapping)), base_(base), bytes_(bytes), fd_(fd), fd_offset_(fd_offset),
-      rank_(rank) {
+      rank_(rank), owner_(getpid()) {
   if (bytes_ > 0) free_[0] = bytes_;
 }
 
@@ -38,6 +38,8 @@ int64_t TensorArena::offset_of(const void* p, int64_t n) const {
 
 int64_t TensorArena::allocate(int64_t n) {
   const int64_t len = std::max<int64_t>(kPage, (n + kPage - 1) / kPage * kPage);
+  TORCH_CHECK(getpid() == owner_, "torch_cam.empty: this process was forked from the one that owns ",
+              "the tensor heap (pid ", owner_, "); a forked child cannot allocate in it");
   std::lock_guard<std::mutex> lk(mu_);
   auto it = free_.begin();
   while (it != free_.end() && it->second < len) ++it;
@@ -64,6 +66,7 @@ int64_t TensorArena::allocate(int64_t n) {
 }
 
 void TensorArena::release(int64_t off) {
+  if (getpid() != owner_) return;  // a forked child's copy: the pages are the owner's
   std::lock_guard<std::mutex> lk(mu_);
   auto u = used_.find(off);
   if (u == used_.end()) return;

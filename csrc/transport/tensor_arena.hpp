@@ -5,7 +5,9 @@
 // pages (posix_fallocate, so a full /dev/shm is an error at allocation, never a SIGBUS later)
 // and freeing a tensor returns its pages (hole punch). Blocks are page aligned; first fit.
 // The arena owns the window's mapping and descriptor, so tensors stay valid after their group
-// is destroyed.
+// is destroyed. Its pages are shared with the peers, and with a child forked from the owner:
+// only the owning process allocates or frees (a forked child's frees are ignored and its
+// allocations refused), so a DataLoader worker can never hand out or zero the parent's blocks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,6 +52,7 @@ class TensorArena : public std::enable_shared_from_this<TensorArena> {
   int fd_;
   off_t fd_offset_;
   int rank_;
+  pid_t owner_;
   mutable std::mutex mu_;
   std::map<int64_t, int64_t> free_;  // offset -> length, coalesced
   std::map<int64_t, int64_t> used_;  // offset -> length

@@ -1,0 +1,241 @@
+"""The heap allocator mode (torch_cam.use_heap_allocator): ordinary CPU tensors of at least
+min_bytes are born in the process heap, which every cam group of the host maps, so collectives
+read them in place. Every test runs several processes on real shared memory and checks values
+against references computed in plain PyTorch, and the path taken through cam's stats: bytes read
+in place grow and nothing is staged where the in-place path applies. Each rank overwrites its
+inputs as soon as an op returns, so a peer still reading them would get wrong bytes."""
+import os
+import subprocess
+import sys
+import unittest
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_cam  # noqa: E402
+from cam_testing import assert_all_ok, cam_segments, run_ranks  # noqa: E402
+
+MIN = 64 << 10
+N = 300_001  # float32 elements: above every one-shot limit, odd
+
+
+def init(rank, world, init_file, **opts):
+    torch.set_num_threads(1)
+    dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60), pg_options=opts or None)
+
+
+def data(seed, n=N, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 3).to(dtype)
+
+
+def collectives_in_place(rank, world, init_file, install_before):
+    if install_before:
+        torch_cam.use_heap_allocator(MIN)
+    init(rank, world, init_file)
+    if not install_before:
+        torch_cam.use_heap_allocator(MIN)  # groups created earlier map the process heaps too
+    be = torch_cam.get_cam_backend()
+    stats = be.stats
+    xs = [data(100 + p) for p in range(world)]
+
+    def check(name, run, path="reads"):
+        # reads: this rank reads peers' tensors in place and stages nothing; source: peers read
+        # this rank's tensor, it stages nothing (a broadcast root); staged: nothing in place.
+        before = stats()
+        run()
+        after = stats()
+        read = after["heap_read_bytes"] - before["heap_read_bytes"]
+        staged = after["staged_bytes"] - before["staged_bytes"]
+        if path == "staged":
+            assert read == 0 and staged > 0, f"{name}: read in place {read} B, staged {staged} B"
+        else:
+            assert staged == 0 and (read > 0) == (path == "reads"), f"{name}: read in place {read} B, staged {staged} B"
+
+    # all_to_all_single with uneven splits.
+    splits = [(N // world) + (p if p < world - 1 else 0) for p in range(world)]
+    splits[-1] = N - sum(splits[:-1])
+    inp = xs[rank].clone()
+    out = torch.empty(sum(splits[rank] for _ in range(world)))
+    check("all_to_all_single", lambda: dist.all_to_all_single(out, inp, [splits[rank]] * world, splits))
+    inp.fill_(float("nan"))
+    want = torch.cat([xs[p].split(splits)[rank] for p in range(world)])
+    assert torch.equal(out, want), "all_to_all_single values"
+
+    # broadcast from every root.
+    for root in range(world):
+        t = xs[root].clone() if rank == root else torch.zeros(N)
+        check(f"broadcast root {root}", lambda: dist.broadcast(t, root), "source" if rank == root else "reads")
+        assert torch.equal(t, xs[root]), f"broadcast root {root} values"
+        t.fill_(float("nan"))
+
+    # all_gather_into_tensor.
+    inp = xs[rank].clone()
+    out = torch.empty(world * N)
+    check("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, inp))
+    inp.fill_(float("nan"))
+    assert torch.equal(out, torch.cat(xs)), "all_gather values"
+
+    # all_reduce (two-shot at this size: peers read every input in place), bf16 too.
+    for dtype in (torch.float32, torch.bfloat16):
+        ys = [x.to(dtype) for x in xs]
+        t = ys[rank].clone()
+        check(f"all_reduce {dtype}", lambda: dist.all_reduce(t))
+        ref = ys[0].float()
+        for y in ys[1:]:
+            ref = ref + y.float()
+        assert torch.equal(t, ref.to(dtype)), f"all_reduce {dtype} values"
+
+    # reduce_scatter_tensor.
+    m = N // world
+    inp = torch.cat(xs)[: world * m].clone() * (rank + 1)
+    out = torch.empty(m)
+    check("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(out, inp))
+    inp.fill_(float("nan"))
+    base = torch.cat(xs)[rank * m:(rank + 1) * m]
+    ref = base * 1
+    for p in range(1, world):
+        ref = ref + base * (p + 1)
+    assert torch.equal(out, ref), "reduce_scatter values"
+
+    # Below min_bytes tensors stay ordinary: staged, nothing read in place.
+    small = torch.full((MIN // 8,), float(rank))
+    check("small all_to_all_single", lambda: dist.all_to_all_single(torch.empty_like(small), small),
+          "staged")
+    s = torch_cam.heap_allocator_stats()
+    assert s["installed"] == 1 and s["heap_tensors"] > 0, s
+    dist.destroy_process_group()
+    return s
+
+
+def mixed(rank, world, init_file):
+    # Only even ranks install the mode: every op still gives the reference result (rounds
+    # fall back to staging, all_to_all reads the heap senders' blocks in place).
+    if rank % 2 == 0:
+        torch_cam.use_heap_allocator(MIN)
+    init(rank, world, init_file)
+    n = N - N % world
+    xs = [data(300 + p, n) for p in range(world)]
+    inp = xs[rank].clone()
+    out = torch.empty(n)
+    dist.all_to_all_single(out, inp)
+    inp.zero_()
+    want = torch.cat([xs[p].tensor_split(world)[rank] for p in range(world)])
+    assert torch.equal(out, want), "all_to_all_single"
+    t = xs[rank].clone()
+    dist.all_reduce(t)
+    ref = xs[0].clone()
+    for x in xs[1:]:
+        ref = ref + x
+    assert torch.equal(t, ref), "all_reduce"
+    b = xs[1].clone() if rank == 1 else torch.zeros(n)
+    dist.broadcast(b, 1)
+    assert torch.equal(b, xs[1]), "broadcast"
+    dist.destroy_process_group()
+
+
+def ddp_step(rank, world, init_file, backend):
+    # One DDP step: the gradient buckets are born in the heap (the env knob installs the mode
+    # at import), and the gradients equal gloo's.
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    g = torch.Generator().manual_seed(10 + rank)
+    before = torch_cam.get_cam_backend().stats()["heap_read_bytes"] if backend == "cam" else 0
+    ddp(torch.randn(32, 256, generator=g)).square().sum().backward()
+    # Plain bytes through the result queue (a tensor would travel as a descriptor of this
+    # process, which exits first).
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy().tobytes()
+    read = torch_cam.get_cam_backend().stats()["heap_read_bytes"] - before if backend == "cam" else 0
+    dist.destroy_process_group()
+    return grads, read, torch_cam.heap_allocator_stats()["installed"]
+
+
+class HeapAllocatorTest(unittest.TestCase):
+    def test_collectives_read_ordinary_tensors_in_place(self):
+        for world, before in ((2, True), (4, False)):
+            with self.subTest(world=world, installed_before_init=before):
+                res = run_ranks(collectives_in_place, world, before, deadline_s=180)
+                assert_all_ok(self, res)
+        self.assertEqual(cam_segments(), [])
+
+    def test_ranks_without_the_mode(self):
+        assert_all_ok(self, run_ranks(mixed, 3, deadline_s=120))
+
+    def test_ddp_buckets_match_gloo(self):
+        env = {"TORCH_CAM_HEAP_ALLOCATOR": str(MIN)}
+        cam = run_ranks(ddp_step, 2, "cam", env=env, deadline_s=120)
+        gloo = run_ranks(ddp_step, 2, "gloo", deadline_s=120)
+        assert_all_ok(self, cam)
+        assert_all_ok(self, gloo)
+        for r in range(2):
+            grads, read, installed = cam[r][1]
+            self.assertEqual(installed, 1)
+            self.assertGreater(read, 0, "DDP's buckets were not read in place")
+            a = torch.frombuffer(bytearray(grads), dtype=torch.float32)
+            b = torch.frombuffer(bytearray(gloo[r][1][0]), dtype=torch.float32)
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+    def test_local_behaviour(self):
+        # One process: thresholds, the cache of freed blocks, restoring the previous allocator,
+        # and a forked child that must neither hand out nor free the parent's blocks.
+        code = r"""
+import os, torch, torch_cam
+torch.set_num_threads(1)  # no OpenMP pool to inherit across the fork
+torch_cam.use_heap_allocator(1 << 20)
+s0 = torch_cam.heap_allocator_stats()
+a = torch.full((1 << 18,), 7.0)          # 1 MiB: born in the heap
+b = torch.ones(1000)                      # small: ordinary
+s1 = torch_cam.heap_allocator_stats()
+assert s1["heap_tensors"] == s0["heap_tensors"] + 1 and s1["heap_bytes"] >= 1 << 20, s1
+del b
+c = torch.empty(1 << 18); del c           # freed: kept for the next tensor of its size
+assert torch_cam.heap_allocator_stats()["cached_bytes"] >= 1 << 20
+pid = os.fork()
+if pid == 0:
+    try:
+        d = torch.full((1 << 18,), 3.0)   # the child's own: not from the parent's heap
+        assert torch_cam.heap_allocator_stats()["heap_tensors"] == 1, torch_cam.heap_allocator_stats()
+        del a                             # the child's copy of a parent tensor: pages stay
+        os._exit(0 if float(d.sum()) == 3.0 * (1 << 18) else 3)
+    except BaseException as e:
+        print("child:", e, flush=True)
+        os._exit(4)
+_, st = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(st) == 0, st
+assert float(a.sum()) == 7.0 * (1 << 18), "the child disturbed the parent's tensor"
+torch_cam.use_heap_allocator(None)
+e = torch.empty(1 << 20)
+s2 = torch_cam.heap_allocator_stats()
+assert s2["installed"] == 0 and s2["heap_tensors"] == 1 and s2["cached_bytes"] == 0, s2
+del a
+assert torch_cam.heap_allocator_stats()["heap_tensors"] == 0
+for bad in (-1, 1.5, "x"):
+    try:
+        torch_cam.use_heap_allocator(bad)
+    except ValueError as err:
+        assert "min_bytes" in str(err)
+    else:
+        raise AssertionError(f"{bad!r} accepted")
+print("ok")
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("ok", out.stdout)
+
+    def test_bad_environment_value(self):
+        env = dict(os.environ, TORCH_CAM_HEAP_ALLOCATOR="lots")
+        out = subprocess.run([sys.executable, "-c", "import torch_cam"], capture_output=True, text=True,
+                             timeout=60, env=env)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("TORCH_CAM_HEAP_ALLOCATOR", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
