@@ -24,7 +24,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 64], help="per-rank MiB")
 ap.add_argument("--samples", type=int, default=15)
 ap.add_argument("--ops", nargs="+", default=["all_to_all_single", "broadcast", "all_gather_into_tensor",
-                                             "all_reduce", "reduce_scatter_tensor"])
+                                             "all_reduce", "reduce_scatter_tensor", "send_recv"])
 args = ap.parse_args()
 torch.set_num_threads(1)
 
@@ -56,6 +56,11 @@ def run(op, g, inp, out):
         dist.all_reduce(inp, group=g)
     elif op == "reduce_scatter_tensor":
         dist.reduce_scatter_tensor(out, inp, group=g)
+    elif op == "send_recv":  # pairs (0, 1), (2, 3), ...: the even rank sends to the odd one
+        if rank % 2 == 0 and rank + 1 < world:
+            dist.send(inp, rank + 1, group=g)
+        elif rank % 2 == 1:
+            dist.recv(inp, rank - 1, group=g)
     elif op == "copy_":
         out.copy_(inp)
 

@@ -39,6 +39,7 @@ def collectives_in_place(rank, world, init_file, install_before):
     if not install_before:
         torch_cam.use_heap_allocator(MIN)  # groups created earlier map the process heaps too
     be = torch_cam.get_cam_backend()
+    assert be.process_heap_problem == "", be.process_heap_problem
     stats = be.stats
     xs = [data(100 + p) for p in range(world)]
 
@@ -101,6 +102,19 @@ def collectives_in_place(rank, world, init_file, install_before):
         ref = ref + base * (p + 1)
     assert torch.equal(out, ref), "reduce_scatter values"
 
+    # scatter and gather through root 1 (each block is its own tensor, born in the heap).
+    m = N // world
+    blocks = [xs[p][:m].clone() for p in range(world)] if rank == 1 else None
+    out = torch.empty(m)
+    check("scatter", lambda: dist.scatter(out, blocks, src=1), "source" if rank == 1 else "reads")
+    assert torch.equal(out, xs[rank][:m]), "scatter values"
+    inp = xs[rank].clone()
+    gathered = [torch.empty(N) for _ in range(world)] if rank == 1 else None
+    check("gather", lambda: dist.gather(inp, gathered, dst=1), "reads" if rank == 1 else "source")
+    inp.fill_(float("nan"))
+    if rank == 1:
+        assert all(torch.equal(g, x) for g, x in zip(gathered, xs)), "gather values"
+
     # Below min_bytes tensors stay ordinary: staged, nothing read in place.
     small = torch.full((MIN // 8,), float(rank))
     check("small all_to_all_single", lambda: dist.all_to_all_single(torch.empty_like(small), small),
@@ -109,6 +123,51 @@ def collectives_in_place(rank, world, init_file, install_before):
     assert s["installed"] == 1 and s["heap_tensors"] > 0, s
     dist.destroy_process_group()
     return s
+
+
+def p2p_in_place(rank, world, init_file):
+    # Heap-resident sends carry only a header; the receiver copies the payload out of the
+    # sender's tensor, in order or out of order (a drained message), and the sender's wait
+    # returns only once the copy is done (it then overwrites its tensor).
+    torch_cam.use_heap_allocator(MIN)
+    init(rank, world, init_file)
+    be = torch_cam.get_cam_backend()
+    peer = 1 - rank
+    a, b = data(500 + rank), data(600 + rank, N // 3)
+    before = be.stats()
+    if rank == 0:
+        works = [dist.isend(a, peer, tag=1), dist.isend(b, peer, tag=2)]
+        for w in works:
+            w.wait()
+        a.fill_(float("nan"))
+        b.fill_(float("nan"))
+        heap = torch_cam.empty(N)
+        heap.copy_(data(700))
+        dist.send(heap, peer, tag=3)
+        heap.fill_(float("nan"))
+    else:
+        got_b = torch.empty(N // 3)
+        dist.recv(got_b, peer, tag=2)  # tag 1 arrived first: it is drained behind this recv
+        got_a = torch.empty(N)
+        dist.recv(got_a, peer, tag=1)
+        assert torch.equal(got_a, data(500 + peer)) and torch.equal(got_b, data(600 + peer, N // 3)), "p2p values"
+        got = torch.empty(N)
+        dist.recv(got, peer, tag=3)
+        assert torch.equal(got, data(700)), "torch_cam.empty send"
+    after = be.stats()
+    read = after["heap_read_bytes"] - before["heap_read_bytes"]
+    staged = after["staged_bytes"] - before["staged_bytes"]
+    assert staged == 0, f"{staged} B staged"
+    assert (read == 4 * (N + N // 3 + N)) if rank == 1 else (read == 0), f"{read} B read in place"
+    # A size mismatch still fails both ends at once.
+    t = data(800) if rank == 0 else torch.empty(N + 1)
+    try:
+        (dist.send if rank == 0 else dist.recv)(t, peer, tag=4)
+    except RuntimeError as e:
+        assert "expects" in str(e), str(e)
+    else:
+        raise AssertionError("size mismatch not reported")
+    dist.destroy_process_group()
 
 
 def mixed(rank, world, init_file):
@@ -165,6 +224,9 @@ class HeapAllocatorTest(unittest.TestCase):
                 assert_all_ok(self, res)
         self.assertEqual(cam_segments(), [])
 
+    def test_p2p_reads_heap_sends_in_place(self):
+        assert_all_ok(self, run_ranks(p2p_in_place, 2, deadline_s=120))
+
     def test_ranks_without_the_mode(self):
         assert_all_ok(self, run_ranks(mixed, 3, deadline_s=120))
 
@@ -202,6 +264,7 @@ if pid == 0:
     try:
         d = torch.full((1 << 18,), 3.0)   # the child's own: not from the parent's heap
         assert torch_cam.heap_allocator_stats()["heap_tensors"] == 1, torch_cam.heap_allocator_stats()
+        a.fill_(1.0)                      # copy-on-write, as ordinary memory across fork
         del a                             # the child's copy of a parent tensor: pages stay
         os._exit(0 if float(d.sum()) == 3.0 * (1 << 18) else 3)
     except BaseException as e:
@@ -229,12 +292,26 @@ print("ok")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("ok", out.stdout)
 
-    def test_bad_environment_value(self):
-        env = dict(os.environ, TORCH_CAM_HEAP_ALLOCATOR="lots")
-        out = subprocess.run([sys.executable, "-c", "import torch_cam"], capture_output=True, text=True,
-                             timeout=60, env=env)
-        self.assertNotEqual(out.returncode, 0)
-        self.assertIn("TORCH_CAM_HEAP_ALLOCATOR", out.stderr)
+    def test_heap_size_and_bad_environment_values(self):
+        # A 4 MiB heap holds a 1 MiB tensor; an 8 MiB one comes from the previous allocator.
+        code = r"""
+import torch, torch_cam
+a = torch.empty(1 << 18)
+b = torch.empty(1 << 21)
+s = torch_cam.heap_allocator_stats()
+assert s["heap_tensors"] == 1 and s["fallbacks"] == 1, s
+print("ok")
+"""
+        env = dict(os.environ, TORCH_CAM_HEAP_ALLOCATOR=str(1 << 20), TORCH_CAM_PROCESS_HEAP_BYTES=str(4 << 20))
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        for name, value in (("TORCH_CAM_HEAP_ALLOCATOR", "lots"), ("TORCH_CAM_PROCESS_HEAP_BYTES", "-5")):
+            env = dict(os.environ, TORCH_CAM_HEAP_ALLOCATOR="65536")
+            env[name] = value
+            out = subprocess.run([sys.executable, "-c", "import torch_cam"], capture_output=True, text=True,
+                                 timeout=60, env=env)
+            self.assertNotEqual(out.returncode, 0, name)
+            self.assertIn(name, out.stderr)
 
 
 if __name__ == "__main__":

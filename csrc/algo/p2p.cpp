@@ -94,6 +94,11 @@ void P2PEngine::fail_told(Context& ctx, Record& rec, Finished& finished) {
   std::vector<char>().swap(rec.buffer);
 }
 
+void P2PEngine::read_in_place(Context& ctx, const Record& rec, void* dst) {
+  kernels::copy_bytes(dst, ctx.peer_heap(rec.src, rec.hdr.heap_off), rec.hdr.nbytes);
+  ctx.stats.add(ctx.stats.heap_read_bytes, rec.hdr.nbytes);
+}
+
 void P2PEngine::bind(Context& ctx, const std::shared_ptr<Record>& rec,
                      const std::shared_ptr<RecvOp>& r, Finished& finished) {
   AckSlot& a = ctx.L.ack(ctx.me, rec->src, rec->msg);
@@ -126,9 +131,9 @@ void P2PEngine::bind(Context& ctx, const std::shared_ptr<Record>& rec,
   a.expected_nbytes = r->nbytes;
   a.expected_dtype = r->dtype;
   a.status = ok ? kAckOk : kAckSizeMismatch;
-  signal_release(a.seq, rec->msg + 1);
   r->matched(rec->src);
   if (!ok) {
+    signal_release(a.seq, rec->msg + 1);
     rec->discard = true;
     rec->buffer.clear();
     r->fail(std::make_exception_ptr(ValidationError(str(
@@ -143,7 +148,11 @@ void P2PEngine::bind(Context& ctx, const std::shared_ptr<Record>& rec,
     kernels::copy_bytes(r->buf.data_ptr(), rec->buffer.data(),
                         std::min<int64_t>(rec->consumed, rec->hdr.nbytes));
     std::vector<char>().swap(rec->buffer);
+  } else if (rec->hdr.heap_off >= 0) {
+    read_in_place(ctx, *rec, r->buf.data_ptr());
   }
+  // The ack comes after any in-place read: it lets the sender reuse its tensor.
+  signal_release(a.seq, rec->msg + 1);
   if (rec->complete) {
     r->complete();
     finished.push_back(r);
@@ -216,7 +225,8 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
         if (int64_t(R - (head - tail)) < int64_t(sizeof(MsgHeader))) break;
       }
       s.assign_index(msg);
-      MsgHeader h{msg + 1, s.nbytes, s.tag, s.dtype};
+      s.heap_off = s.dtype == kRefusalDtype ? -1 : ctx.heap_offset(s.buf.data_ptr(), s.nbytes);
+      MsgHeader h{msg + 1, s.nbytes, s.tag, s.dtype, s.heap_off};
       kernels::ring_write(ring, R, head, reinterpret_cast<const char*>(&h), sizeof(h));
       head += sizeof(h);
       s.written = sizeof(h);
@@ -284,7 +294,14 @@ bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
       else unexpected_[src].push_back(rec);
     }
     Record& rec = *cur;
-    const int64_t payload = padded(rec.hdr.nbytes);
+    const bool in_place = rec.hdr.heap_off >= 0;
+    const int64_t payload = in_place ? 0 : padded(rec.hdr.nbytes);
+    if (in_place && !rec.bound && !rec.discard && rec.buffer.empty() && needs_drain(src)) {
+      // A posted recv waits behind it: take the payload now, so that the ring moves on.
+      rec.buffer.resize(size_t(rec.hdr.nbytes));
+      read_in_place(ctx, rec, rec.buffer.data());
+      rec.consumed = rec.hdr.nbytes;
+    }
     // An unmatched message stays in the ring, unless a posted recv waits behind it or it is a
     // refusal (a reason of at most a few hundred bytes).
     if (rec.consumed < payload && !rec.bound && !rec.discard && !needs_drain(src) &&

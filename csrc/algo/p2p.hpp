@@ -14,6 +14,12 @@
 // size and dtype the recv expected; a send completes once its bytes are in the ring and it is
 // acknowledged, so a size or dtype mismatch fails on both sides and no data is corrupted.
 //
+// A send whose tensor is heap-resident (torch_cam.empty, or born in the process heap) sends
+// only the header, naming the tensor by heap offset: the receiver copies the payload straight
+// out of it (one copy instead of two) when a recv binds the message, or into a private buffer
+// when it drains it, and only then writes the acknowledgement, so the sender, which completes
+// on the acknowledgement, keeps its tensor untouched until the copy is done.
+//
 // Refusals: a send whose own checks refused its arguments is still sent, as a message of dtype
 // kRefusalDtype whose payload is the reason, and fails the recv it matches; a refused recv
 // still matches the next message and answers it with kAckRefused and its reason in the ack
@@ -35,6 +41,7 @@ struct alignas(64) MsgHeader {
   int64_t nbytes;
   int32_t tag;
   int32_t dtype;
+  int64_t heap_off;  // >= 0: the payload is not in the ring but in the sender's heap, here
 };
 static_assert(sizeof(MsgHeader) == 64);
 constexpr int32_t kRefusalDtype = -1;  // MsgHeader::dtype of a refused send (no ScalarType is < 0)
@@ -46,8 +53,11 @@ class SendOp final : public Op {
   SendOp(Clock::time_point deadline, int dst, int tag, const std::string& reason);
   bool step(Context&) override { return false; }  // progressed by P2PEngine
   void assign_index(uint64_t msg) { set_seq(msg); }
-  // Header plus payload padded to 64 bytes: what the message occupies in the outbox.
-  int64_t framed_bytes() const { return int64_t(sizeof(MsgHeader)) + (nbytes + 63) / 64 * 64; }
+  // Header plus payload padded to 64 bytes (only the header when the payload is read in
+  // place): what the message occupies in the outbox.
+  int64_t framed_bytes() const {
+    return int64_t(sizeof(MsgHeader)) + (heap_off >= 0 ? 0 : (nbytes + 63) / 64 * 64);
+  }
   void waiting_on(int peer) {
     waiting(peer, written < framed_bytes() ? "outbox space" : "a matching recv");
   }
@@ -56,6 +66,7 @@ class SendOp final : public Op {
   int dst, tag, dtype;
   at::Tensor buf;
   int64_t nbytes;
+  int64_t heap_off = -1;  // decided when the header is written
   int64_t written = 0;  // framed bytes written into the outbox
 };
 
@@ -106,6 +117,8 @@ class P2PEngine {
   void bind(Context& ctx, const std::shared_ptr<Record>& rec, const std::shared_ptr<RecvOp>& r,
             Finished& finished);
   void fail_told(Context& ctx, Record& rec, Finished& finished);
+  // Copies an in-place message's payload out of the sender's heap.
+  void read_in_place(Context& ctx, const Record& rec, void* dst);
 
   int world_;
   std::vector<std::deque<std::shared_ptr<SendOp>>> tx_queue_;

@@ -36,7 +36,9 @@ void CamBackend::log_init(int ncpus) const {
            str("rank ", rank_, " of ", size_, "; transport: shared memory to all ", size_ - 1,
                " peers (one host), windows mapped; direct read (process_vm_readv) ",
                direct_read_available() ? "available" : "unavailable",
-               c.single_copy_bytes > 0 ? str(", used from ", c.single_copy_bytes, " B") : std::string(", off")));
+               c.single_copy_bytes > 0 ? str(", used from ", c.single_copy_bytes, " B") : std::string(", off"),
+               "; process heaps ", process_heap_problem().empty() ? std::string("mapped (heap allocator tensors read in place)")
+                                                                 : "not mapped: " + process_heap_problem()));
   log_line(LogLevel::kInfo, engine_->who(),
            str("window ", L.total_bytes(), " B per rank (", window_bytes_mapped(), " B mapped): p2p outbox ",
                c.p2p_ring_bytes(size_), " B per peer, collective region ", c.coll_region_bytes(size_),

@@ -96,6 +96,7 @@ class CamBackend : public c10d::Backend {
   int64_t timeout_ms() const { return engine_->config().timeout.count(); }
   int64_t window_bytes_mapped() const;
   bool direct_read_available() const { return engine_->heap().direct_read_available(); }
+  std::string process_heap_problem() const { return engine_->heap().process_heap_problem(); }
   std::map<std::string, int64_t> stats() const;
 
   // Heap-resident tensors: allocated in this rank's tensor arena, read in place by peers.

@@ -37,6 +37,8 @@ PYBIND11_MODULE(_C, m) {
                              "Bytes of symmetric heap this rank maps (all windows of the group)")
       .def_property_readonly("direct_read_available", &cam::CamBackend::direct_read_available,
                              "Whether this rank can read peers' memory directly (single-copy path)")
+      .def_property_readonly("process_heap_problem", &cam::CamBackend::process_heap_problem,
+                             "'' when tensors of the heap allocator mode are read in place by this group, else why not")
       .def(
           "empty",
           [](cam::CamBackend& b, const std::vector<int64_t>& sizes, py::object dtype) {

@@ -35,6 +35,9 @@ class SymmetricHeap {
   virtual int64_t heap_offset(const void* p, int64_t n) const = 0;
   // Where rank r's heap offset `off` is mapped in this process.
   virtual char* peer_heap(int r, int64_t off) const = 0;
+  // "" when tensors born in the process heap (the heap allocator mode) are read in place by
+  // this group; otherwise why they are staged.
+  virtual std::string process_heap_problem() const = 0;
 
   // Single-copy path: read bytes straight out of a peer's address space (any memory of the
   // peer, not only its window). True when this rank can do so with every peer.

@@ -3,6 +3,7 @@
 #include "../core/errors.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -82,6 +83,14 @@ std::shared_ptr<ProcessHeap> ProcessHeap::own(std::string* why) {
                                                arena_bytes, fd, off_t(kHeaderBytes), -1);
   *heap = made;
   owner = getpid();
+  // A forked child (a DataLoader worker) would otherwise share the heap's pages with its parent,
+  // not copy them as it does ordinary memory: remap its view privately, copy-on-write.
+  static void* view = p;
+  static int64_t view_bytes = bytes;
+  static int view_fd = fd;
+  pthread_atfork(nullptr, nullptr, [] {
+    mmap(view, size_t(view_bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, view_fd, 0);
+  });
   return made;
 }
 

@@ -7,6 +7,8 @@
 // magic and the owner's pid, so a peer can tell it mapped the right file. Peers map it through
 // /proc/<pid>/fd/<fd>, once per process however many groups they share, so a tensor born here
 // is read in place by every cam group of the host, as a torch_cam.empty tensor is by its group.
+// A forked child remaps its view of the heap privately (copy-on-write, as ordinary memory is
+// across fork), and never allocates from it.
 #pragma once
 
 #include <cstdint>

@@ -169,7 +169,12 @@ ShmHeap::ShmHeap(const c10::intrusive_ptr<c10d::Store>& store, int rank, int wor
   me.host = host_key();
   me.shm_dev = shm_device();
   me.attempt = restart_attempt();
-  if ((own_process_heap_ = ProcessHeap::own(&process_heap_note_))) {
+  try {
+    own_process_heap_ = ProcessHeap::own(&process_heap_note_);
+  } catch (const c10::Error& e) {
+    process_heap_note_ = e.what_without_backtrace();  // the group works without it
+  }
+  if (own_process_heap_) {
     me.process_heap_fd = own_process_heap_->fd();
     me.process_heap_bytes = own_process_heap_->mapped_bytes();
   }

@@ -69,10 +69,7 @@ class ShmHeap final : public SymmetricHeap {
   TensorArena* arena() const override { return arena_.get(); }
   int64_t heap_offset(const void* p, int64_t n) const override;
   char* peer_heap(int r, int64_t off) const override;
-  // Whether every rank maps every peer's process heap (so tensors born there are read in
-  // place); otherwise why not.
-  bool process_heaps_mapped() const { return process_heaps_mapped_; }
-  const std::string& process_heap_note() const { return process_heap_note_; }
+  std::string process_heap_problem() const override { return process_heaps_mapped_ ? "" : process_heap_note_; }
 
   // Removes /dev/shm names left by cam processes of this user that no longer exist.
   static int sweep_stale_segments();
