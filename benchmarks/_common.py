@@ -44,7 +44,7 @@ OPS = ["roundtrip", "broadcast", "all_to_all_single", "memcpy", "all_reduce", "a
 LABELS = {"all_reduce": "all_reduce fp32", "all_reduce_bf16": "all_reduce bf16",
           "memcpy": "memcpy bound (copy_)"}
 # ops that also run on heap-resident inputs (torch_cam.empty), cam only
-HEAP_OPS = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+HEAP_OPS = ("broadcast", "all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 # ops that also run through DeepSpeed's shm all-reduce (--deepspeed)
 DS_OPS = ("all_reduce", "all_reduce_bf16")
 # ops bench_mpi.py measures (MPI has no bfloat16 type)
@@ -111,8 +111,11 @@ FULL_PLAN = Plan(target_batch_s=2e-3, cell_budget_s=2.0, min_samples=5, max_samp
 QUICK_PLAN = Plan(target_batch_s=1e-3, cell_budget_s=0.4, min_samples=3, max_samples=15, max_batch=8)
 
 
-def plan_for(quick: bool) -> Plan:
-    return QUICK_PLAN if quick else FULL_PLAN
+def plan_for(quick: bool, single_shot: bool = False) -> Plan:
+    """single_shot: every sample is one op right after the barrier, as a training step issues
+    ops (waking, cold lines and the first pass of the engine are paid by every sample)."""
+    plan = QUICK_PLAN if quick else FULL_PLAN
+    return dataclasses.replace(plan, max_batch=1) if single_shot else plan
 
 
 def sizes_for(quick: bool) -> list[int]:

@@ -102,14 +102,15 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def machine_line(world: int, quick: bool, pin: bool) -> str:
+def machine_line(world: int, quick: bool, pin: bool, single_shot: bool = False) -> str:
     """The date, versions, cores and mode part of a world size's table heading."""
     avail = usable_cores()
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     return (f"{date}, torch {torch.__version__}, torch_cam {cam_version()}, "
             f"{os.cpu_count()} cores ({avail} usable, {world / max(avail, 1):.1f} ranks/core), "
             f"python {platform.python_version()}, {'quick' if quick else 'full'} mode, "
-            f"{'ranks pinned to core rank % cores' if pin else 'ranks not pinned'}")
+            f"{'ranks pinned to core rank % cores' if pin else 'ranks not pinned'}"
+            f"{', single-shot samples (one op after a barrier)' if single_shot else ''}")
 
 
 # ----------------------------------------------------------------------------- worker side

@@ -4,7 +4,7 @@ side in one run.
 Usage::
 
     timeout 900 .venv/bin/python benchmarks/bench_collectives.py --ranks 2 4 8 [--quick] \\
-        [--mpi] [--deepspeed] [--out results.md]
+        [--mpi] [--deepspeed] [--single-shot] [--out results.md] [--json results.json]
 
 For each world size N this spawns N worker processes (torch.multiprocessing, start method
 "spawn", rendezvous through a FileStore in a temp dir). Every worker creates a cam world group
@@ -18,9 +18,10 @@ For each world size N this spawns N worker processes (torch.multiprocessing, sta
   equal splits; size = per-rank input), ``all_reduce`` SUM in place on float32 and on bfloat16,
   ``all_gather_into_tensor`` (float32; size = per-rank input, the output is N x that) and
   ``reduce_scatter_tensor`` (float32, SUM; size = per-rank input = N x output);
-* ``(heap)`` rows, cam only: all_to_all_single, all_reduce fp32, all_gather_into_tensor and
-  reduce_scatter_tensor with every rank's input allocated by ``torch_cam.empty`` in the cam
-  tensor heap, which peers read in place. The check also requires cam's ``heap_read_bytes``
+* ``(heap)`` rows, cam only: broadcast, all_to_all_single, all_reduce fp32,
+  all_gather_into_tensor and reduce_scatter_tensor with every rank's input allocated by
+  ``torch_cam.empty`` in the cam tensor heap, which peers read in place (the path ordinary
+  tensors take under ``torch_cam.use_heap_allocator``). The check also requires cam's ``heap_read_bytes``
   stat to grow on every rank (``heap read`` in the check column; ``no heap read`` when cam
   staged the op anyway, e.g. small all-reduces, which go one-shot through the windows);
 * ``(direct)`` rows, cam only: all_reduce fp32 / bf16 through ``torch_cam.all_reduce_`` (no
@@ -39,6 +40,9 @@ Timing (identical for cam, gloo and bench_mpi.py; details in _common.py): warmup
 samples; a sample = barrier on the measured backend, then a batch of B back-to-back ops timed on
 every rank and divided by B; the sample value is the max over ranks (gathered through gloo after
 the timed loop). B and K come from the warmup cost, so they shrink with size and oversubscription.
+``--single-shot`` makes B = 1 for every cell (MPI included): one op right after the barrier, as a
+training step issues ops, paying whatever a batch hides (waking, cold lines, the engine's first
+pass). From 1 MiB up B is 1 anyway.
 Median and p90 of the K samples are reported. After timing, each (op, size) result is checked
 once with fresh data (``check`` column).
 
@@ -71,6 +75,7 @@ Workers use ``torch.set_num_threads(1)``; gloo is pinned to the loopback interfa
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -291,7 +296,9 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
     ok = _check(op, b, fn, rank, world)
     ok = H.all_ok(ok, gloo)
     if heap:
-        extra["heap_read"] = H.all_ok(stats.stats()["heap_read_bytes"] > before, gloo)
+        # A broadcast root is read, it reads nothing.
+        read = stats.stats()["heap_read_bytes"] > before or (op == "broadcast" and rank == 0)
+        extra["heap_read"] = H.all_ok(read, gloo)
     return times, batch, samples, ok, extra
 
 
@@ -313,7 +320,7 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
     gloo = H.init_groups(rank, world, store_path, cfg["op_timeout"])
     groups = {"cam": None, "gloo": gloo, "cam-heap": None, "cam-direct": None, "local": None,
               "ds-shm": None}
-    plan = C.plan_for(cfg["quick"])
+    plan = C.plan_for(cfg["quick"], cfg["single_shot"])
     rows = []
     t_start = time.time()
     ds, ds_error = None, None
@@ -370,13 +377,13 @@ def _worker(rank: int, world: int, store_path: str, cfg: dict, result_path: str)
 # ----------------------------------------------------------------------------- launcher side
 
 def run_world(world: int, args) -> dict:
-    cfg = {"quick": args.quick, "op_timeout": args.op_timeout, "pin": args.pin,
+    cfg = {"quick": args.quick, "single_shot": args.single_shot, "op_timeout": args.op_timeout, "pin": args.pin,
            "deepspeed": args.deepspeed and not args.ds_unavailable, "ds_cap": args.ds_cap}
     return H.run_world(_worker, world, cfg, args.timeout, "bench_cam")
 
 
 def header(world: int, args) -> str:
-    return f"## world size {world} — {H.machine_line(world, args.quick, args.pin)}"
+    return f"## world size {world} — {H.machine_line(world, args.quick, args.pin, args.single_shot)}"
 
 
 _FLOOR_SCRIPT = """
@@ -545,7 +552,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and samples")
+    ap.add_argument("--single-shot", action="store_true",
+                    help="every sample is one op right after a barrier (default: a batch of back-to-back ops)")
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--json", help="also write every measured row here (what plot_results.py draws)")
     ap.add_argument("--timeout", type=float, default=600, help="hard deadline per world size (s)")
     ap.add_argument("--op-timeout", type=float, default=120,
                     help="timeout given to the process groups (s)")
@@ -588,6 +598,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write(out_parts[0])
+    measured = {"command": " ".join([sys.executable] + sys.argv), "machine": {}, "rows": []}
     for world in args.ranks:
         print(f"== world size {world}: torch workers (cam + gloo)", file=sys.stderr, flush=True)
         res = run_world(world, args)  # a failed launch comes back as an error
@@ -595,9 +606,20 @@ def main():
         if use_mpi and world in mpi_ranks:
             print(f"== world size {world}: Open MPI", file=sys.stderr, flush=True)
             import bench_mpi
-            mpi = bench_mpi.run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin)
+            mpi = bench_mpi.run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin,
+                                      single_shot=args.single_shot)
         md = table(world, res, mpi, args, floor_us)
         print(md + "\n", flush=True)
+        if args.json:
+            measured["machine"][str(world)] = H.machine_line(world, args.quick, args.pin, args.single_shot)
+            for r in res.get("rows", []):
+                measured["rows"].append({"world": world, "op": r["op"], "size": r["size"],
+                                         "backend": r["backend"], "median_us": r.get("median_us")})
+            for r in (mpi or {}).get("rows", []):
+                measured["rows"].append({"world": world, "op": r["op"], "size": r["size"], "backend": "mpi",
+                                         "median_us": r.get("median_us")})
+            with open(args.json, "w") as f:
+                json.dump(measured, f, indent=1)
         out_parts.append(md + "\n")
         if args.out:
             with open(args.out, "w") as f:

@@ -202,7 +202,7 @@ def worker_main(args):
     import numpy as np
 
     comm = MPI.COMM_WORLD
-    plan = C.plan_for(args.quick)
+    plan = C.plan_for(args.quick, args.single_shot)
     rows = []
     for op in C.MPI_OPS:
         for nbytes in C.op_sizes(op, args.quick):
@@ -238,7 +238,7 @@ def ompi_major() -> int | None:
 
 
 def mpirun_command(world: int, json_path: str, quick: bool, single_copy: str | None = None,
-                   pin: bool = False) -> list[str]:
+                   pin: bool = False, single_shot: bool = False) -> list[str]:
     major = ompi_major() or 4
     sm = "sm" if major >= 5 else "vader"
     cmd = ["mpirun"]
@@ -252,16 +252,18 @@ def mpirun_command(world: int, json_path: str, quick: bool, single_copy: str | N
     cmd += [sys.executable, os.path.abspath(__file__), "--worker", "--json", json_path]
     if quick:
         cmd.append("--quick")
+    if single_shot:
+        cmd.append("--single-shot")
     return cmd
 
 
 def run_world(world: int, quick: bool, deadline_s: float, single_copy: str | None = None,
-              pin: bool = False) -> dict:
+              pin: bool = False, single_shot: bool = False) -> dict:
     """Runs one mpirun for `world` ranks; returns {"world", "rows", "complete", "error"?, "cmd"}."""
     fd, path = tempfile.mkstemp(prefix=f"bench_mpi_{world}_", suffix=".json")
     os.close(fd)
     os.unlink(path)
-    cmd = mpirun_command(world, path, quick, single_copy, pin)
+    cmd = mpirun_command(world, path, quick, single_copy, pin, single_shot)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
@@ -311,7 +313,7 @@ def launcher_main(args):
     results = {}
     t0 = time.time()
     for world in args.ranks:
-        res = run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin)
+        res = run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin, args.single_shot)
         results[str(world)] = res
         print(table(res), flush=True)
         print(flush=True)
@@ -325,6 +327,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--single-shot", action="store_true", help="every sample is one op right after a barrier")
     ap.add_argument("--json", help="write results as JSON here")
     ap.add_argument("--timeout", type=float, default=240, help="deadline per world size (s)")
     ap.add_argument("--mpi-single-copy", choices=["cma", "xpmem", "knem", "none"], default=None,
