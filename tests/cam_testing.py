@@ -21,6 +21,17 @@ ALL_DTYPES = [
 ]
 
 
+# tests/run_all.sh reruns some suites with the heap allocator mode on (TORCH_CAM_HEAP_ALLOCATOR):
+# ordinary tensors from that many bytes up are then heap-resident, and the tests that check
+# which path an op took expect in-place reads for them.
+HEAP_ALLOCATOR_MIN = int(os.environ.get("TORCH_CAM_HEAP_ALLOCATOR") or 0)
+
+
+def born_in_heap(nbytes: int) -> bool:
+    """Whether an ordinary tensor of nbytes is heap-resident in this run."""
+    return HEAP_ALLOCATOR_MIN > 0 and nbytes >= HEAP_ALLOCATOR_MIN
+
+
 def make(shape, dtype, seed: int) -> torch.Tensor:
     """A tensor whose bytes depend only on (shape, dtype, seed), so every rank can build the
     data any other rank holds. Floats get arbitrary bit patterns (NaNs included): compare with

@@ -60,9 +60,10 @@ class HeapAllocator final : public c10::Allocator {
             {"fallbacks", fallbacks_}};
   }
 
-  // The small path (almost every allocation) is two relaxed loads: no lock, no syscall.
+  // The small path (almost every allocation) is two plain loads: no lock, no syscall. The
+  // acquire pairs with set(): a threshold below INT64_MAX is stored after heap_ is.
   c10::DataPtr allocate(size_t n) override {
-    if (int64_t(n) >= min_bytes_.load(std::memory_order_relaxed) && getpid() == owner_) {
+    if (int64_t(n) >= min_bytes_.load(std::memory_order_acquire) && getpid() == owner_) {
       const int64_t len = (int64_t(n) + kPage - 1) / kPage * kPage;
       int64_t off = -1;
       {
