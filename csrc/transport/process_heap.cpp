@@ -60,8 +60,10 @@ std::shared_ptr<ProcessHeap> ProcessHeap::own(std::string* why) {
   void* p = MAP_FAILED;
   if (fd < 0) {
     failure = str("memfd_create failed: ", std::strerror(errno));
-  } else if (ftruncate(fd, off_t(bytes)) != 0 || posix_fallocate(fd, 0, kHeaderBytes) != 0) {
+  } else if (ftruncate(fd, off_t(bytes)) != 0) {
     failure = str("cannot size a ", bytes, "-byte memfd: ", std::strerror(errno));
+  } else if (const int rc = posix_fallocate(fd, 0, kHeaderBytes); rc != 0) {
+    failure = str("cannot reserve the heap's header page: ", std::strerror(rc));  // rc, not errno
   } else {
     p = mmap(nullptr, size_t(bytes), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
     if (p == MAP_FAILED) failure = str("cannot map ", bytes, " bytes of address space: ", std::strerror(errno));
