@@ -8,7 +8,15 @@ PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 NPROC  ?= 4
 
-.PHONY: setup build demo test bench clean
+.PHONY: setup ucx build demo test bench clean
+
+# UCX, the inter-host engine of groups that span hosts: installed where this runs as root with
+# apt; elsewhere the build goes on without it (such groups then use gloo between hosts).
+ucx:
+	@pkg-config --exists ucx 2>/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q libucx-dev pkg-config >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libucx-dev pkg-config >/dev/null 2>&1; }; }; } || \
+	  echo "torch_cam: UCX is not installed (apt-get install libucx-dev); groups that span hosts will use gloo"
 
 $(VENV)/.setup-done:
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +27,7 @@ $(VENV)/.setup-done:
 
 setup: $(VENV)/.setup-done
 
-build: setup
+build: setup ucx
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 
 demo: build

@@ -1,5 +1,6 @@
 """Groups that span hosts, with hosts simulated on this machine by TORCH_CAM_HOST_ID (one key
-per simulated host): cam inside each host, gloo between hosts. tests/multihost/ runs the same
+per simulated host): cam inside each host; between hosts UCX (UcxHierarchicalTest, where the
+build has it) and the gloo fallback (GlooHierarchicalTest). tests/multihost/ runs the same
 checks across hosts made of namespaces (needs root)."""
 import datetime
 import os
@@ -23,12 +24,13 @@ def _init(rank, world, init_file, hosts, timeout_s=60):
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _checks(rank, world, init_file, hosts):
+def _checks(rank, world, init_file, hosts, engine):
     _init(rank, world, init_file, hosts)
     try:
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
         import torch_cam
         assert isinstance(backend, torch_cam._C.HierarchicalBackend), type(backend)
+        assert backend.inter_host_engine == {"ucx": "cam-ucx", "gloo": "gloo"}[engine], backend.inter_host_engine
         want = [[r for r in range(world) if hosts[r] == h] for h in dict.fromkeys(hosts)]
         assert backend.host_ranks == want, (backend.host_ranks, want)
         return check_all(rank, world)
@@ -122,10 +124,20 @@ def _killed(rank, world, init_file, hosts):
     return ("returned", time.monotonic() - start, "")
 
 
-class HierarchicalTest(unittest.TestCase):
+def _have_ucx():
+    import torch_cam
+    return torch_cam._C.ucx_version is not None
+
+
+class _HierarchicalCases:
+    ENGINE = ""
+
+    def run_ranks(self, fn, world, *args, **kw):
+        return run_ranks(fn, world, *args, env={"TORCH_CAM_INTER_HOST_ENGINE": self.ENGINE}, **kw)
+
     def _run(self, hosts):
         before = set(cam_segments())
-        results = run_ranks(_checks, len(hosts), hosts, deadline_s=DEADLINE_S)
+        results = self.run_ranks(_checks, len(hosts), hosts, self.ENGINE, deadline_s=DEADLINE_S)
         assert_all_ok(self, results)
         bad = {r: v for r, (_, v) in results.items() if v}
         self.assertFalse(bad, "\n".join(f"rank {r}: {m}" for r, ms in bad.items() for m in ms))
@@ -144,13 +156,13 @@ class HierarchicalTest(unittest.TestCase):
         self._run([0, 0, 1])  # leaders, no rails
 
     def test_subgroup_across_hosts(self):
-        assert_all_ok(self, run_ranks(_subgroup, 4, [0, 1, 0, 1], deadline_s=120))
+        assert_all_ok(self, self.run_ranks(_subgroup, 4, [0, 1, 0, 1], deadline_s=120))
 
     def test_extensions_refuse_with_the_reason(self):
-        assert_all_ok(self, run_ranks(_extensions_refuse, 4, [0, 0, 1, 1], deadline_s=120))
+        assert_all_ok(self, self.run_ranks(_extensions_refuse, 4, [0, 0, 1, 1], deadline_s=120))
 
     def test_mismatch_raises_on_every_host(self):
-        results = run_ranks(_mismatch, 4, [0, 0, 1, 1], deadline_s=120)
+        results = self.run_ranks(_mismatch, 4, [0, 0, 1, 1], deadline_s=120)
         assert_all_ok(self, results)
         for r, (_, (how, took, msg)) in results.items():
             self.assertEqual(how, "raised", f"rank {r}")
@@ -163,7 +175,7 @@ class HierarchicalTest(unittest.TestCase):
         self.assertIn("contributes", results[0][1][2])
 
     def test_one_rank_alone_bad_arguments_fail_every_rank(self):
-        results = run_ranks(_one_rank_bad_list, 4, [0, 0, 1, 1], deadline_s=120)
+        results = self.run_ranks(_one_rank_bad_list, 4, [0, 0, 1, 1], deadline_s=120)
         assert_all_ok(self, results)
         for r, (_, (how, took, msg)) in results.items():
             self.assertEqual(how, "raised", f"rank {r}")
@@ -173,7 +185,7 @@ class HierarchicalTest(unittest.TestCase):
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())
-        results = run_ranks(_killed, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
+        results = self.run_ranks(_killed, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
         for r in (0, 1, 2):
             status, value = results[r]
             self.assertEqual(status, "ok", value)
@@ -181,6 +193,15 @@ class HierarchicalTest(unittest.TestCase):
             self.assertEqual(how, "raised", f"rank {r}")
             self.assertLess(took, 30.0, f"rank {r} took {took:.1f} s: {msg}")
         self.assertEqual(set(cam_segments()) - before, set())
+
+
+@unittest.skipUnless(_have_ucx(), "this build of torch_cam has no UCX (apt-get install libucx-dev, then rebuild)")
+class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
+    ENGINE = "ucx"
+
+
+class GlooHierarchicalTest(_HierarchicalCases, unittest.TestCase):
+    ENGINE = "gloo"
 
 
 if __name__ == "__main__":

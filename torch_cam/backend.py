@@ -64,9 +64,21 @@ def create_backend(dist_backend_opts, pg_options):
     return backend
 
 
+def _inter_host_engine(opts: Options) -> str:
+    """"ucx" or "gloo": the engine between hosts that ``opts.inter_host_engine`` asks for."""
+    have = _C.ucx_version is not None
+    if opts.inter_host_engine == "ucx" and not have:
+        raise RuntimeError("torch_cam: inter_host_engine='ucx' but this build of torch_cam has no UCX "
+                           "(install libucx-dev, e.g. `apt-get install libucx-dev`, and rebuild)")
+    if opts.inter_host_engine == "gloo" or not have:
+        return "gloo"
+    return "ucx"
+
+
 def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], names: list[str]):
-    """A group across hosts: cam over each host's ranks, torch's gloo between hosts (over all
-    ranks, over the rails of equal local index, over the hosts' leaders); the native
+    """A group across hosts: cam over each host's ranks and, between hosts, UCX's one-sided
+    operations (or torch's gloo where this build has no UCX, and always for point-to-point) over
+    all ranks, over the rails of equal local index and over the hosts' leaders; the native
     HierarchicalBackend composes them. Every rank builds the parts in the same order."""
     store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout
@@ -78,16 +90,25 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
     local = _C.CamBackend(dist.PrefixStore(f"cam_host{host}/", store), local_rank, len(local_ranks),
                           timeout.total_seconds(), opts.to_native(), f"{group_id}/host{host}",
                           f"{desc}, its ranks {local_ranks} on host {host_names[host]}")
-    gloo = dist.ProcessGroupGloo
-    all_ranks = gloo(dist.PrefixStore("cam_all/", store), rank, size, timeout=timeout)
-    rail = gloo(dist.PrefixStore(f"cam_rail{local_rank}/", store), host, len(hosts), timeout=timeout) if uniform else None
+    engine = _inter_host_engine(opts)
+
+    def inter(prefix: str, r: int, n: int, where: list[str], what: str):
+        if engine == "ucx":
+            return _C.UcxBackend(dist.PrefixStore(prefix, store), r, n, timeout.total_seconds(),
+                                 opts.to_native(), f"{desc} ({what})", where)
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, n, timeout=timeout)
+
+    rank_hosts = [host_names[h] for h in hm["host_of"]]
+    all_ranks = dist.ProcessGroupGloo(dist.PrefixStore("cam_all/", store), rank, size, timeout=timeout)
+    collectives = inter("cam_all_ucx/", rank, size, rank_hosts, "all ranks") if engine == "ucx" else None
+    rail = inter(f"cam_rail{local_rank}/", host, len(hosts), host_names, f"rail {local_rank}") if uniform else None
     if local_rank != 0:
         leaders = None
     elif uniform:
         leaders = rail
     else:
-        leaders = gloo(dist.PrefixStore("cam_leaders/", store), host, len(hosts), timeout=timeout)
-    return _C.HierarchicalBackend(rank, size, keys, names, local, all_ranks, rail, leaders, store,
+        leaders = inter("cam_leaders/", host, len(hosts), host_names, "host leaders")
+    return _C.HierarchicalBackend(rank, size, keys, names, local, all_ranks, collectives, rail, leaders, store,
                                   f"{desc} on hosts {', '.join(host_names)}")
 
 

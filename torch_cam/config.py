@@ -59,6 +59,9 @@ class Options:
     #: When a group fails (timeout, dead or failed peer) each rank writes its flight recorder
     #: to ``<flight_recorder_path><global rank>.json``; "" writes nothing.
     flight_recorder_path: str = "/tmp/torch_cam_trace_rank_"
+    #: Between the hosts of a group that spans hosts: "ucx" (one-sided put/get/atomics over
+    #: UCX), "gloo" (torch's gloo), or "auto" (UCX where this build has it, else gloo).
+    inter_host_engine: str = "auto"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Options":

@@ -18,6 +18,9 @@
 
 namespace cam {
 
+// c10d's reduce op as a kernel op; PREMUL_SUM raises ArgumentError.
+kernels::RedOp red_op_of(const c10d::ReduceOp& r);
+
 // A tensor an op writes must not have elements that share memory (an expanded view): the
 // copy back into it would fail after the data moved.
 void check_writable(const at::Tensor& t, const char* what);

@@ -10,8 +10,6 @@
 
 namespace cam {
 
-namespace {
-
 kernels::RedOp red_op_of(const c10d::ReduceOp& r) {
   using T = c10d::ReduceOp::RedOpType;
   switch (r.op_) {
@@ -28,6 +26,8 @@ kernels::RedOp red_op_of(const c10d::ReduceOp& r) {
                               " (PREMUL_SUM) is not supported; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR"));
   }
 }
+
+namespace {
 
 // A contiguous tensor to compute into; when `user` is not contiguous, a fresh one whose
 // contents are copied back on success (and, if `load`, initialised from `user`).

@@ -6,6 +6,9 @@
 #include <map>
 
 #include "../core/errors.hpp"
+#ifdef CAM_HAVE_UCX
+#include "ucx_backend.hpp"
+#endif
 
 namespace cam {
 namespace {
@@ -121,6 +124,12 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
   TORCH_CHECK(inter_.all, "cam: a hierarchical group needs an inter-host backend over every rank");
   TORCH_CHECK(!leader() || inter_.leaders, "cam: the leader of a host needs the leaders' backend");
   TORCH_CHECK(!map_.uniform() || inter_.rail, "cam: uniform hosts need a rail backend");
+  if (!inter_.collectives) inter_.collectives = inter_.all;
+#ifdef CAM_HAVE_UCX
+  // UCX waits run on this worker inside the step: they read the failure key themselves.
+  for (auto* b : {inter_.collectives.get(), inter_.rail.get(), inter_.leaders.get()})
+    if (auto* ucx = dynamic_cast<UcxBackend*>(b)) ucx->set_interrupt([this] { raise_published(); });
+#endif
   worker_ = std::thread([this] { worker_main(); });
 }
 
@@ -213,15 +222,16 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
   }
 }
 
+void HierarchicalBackend::raise_published() const {
+  if (store_->check({kFailureKey})) {
+    const auto bytes = store_->get(kFailureKey);
+    throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
+  }
+}
+
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {
-  const auto raise_published = [this] {
-    if (store_->check({kFailureKey})) {
-      const auto bytes = store_->get(kFailureKey);
-      throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
-    }
-  };
   block_on(w->getFuture(), std::chrono::milliseconds(local_->engine()->config().liveness_interval_ms),
-           raise_published);
+           [this] { raise_published(); });
   try {
     w->wait();  // rethrows the inter-host engine's error (its timeout, a closed connection)
   } catch (...) {

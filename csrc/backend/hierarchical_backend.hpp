@@ -1,9 +1,11 @@
 // HierarchicalBackend: the "cam" backend of a group whose ranks span hosts (host_key()).
 //
 // The ranks of one host form an inner CamBackend over their shared-memory heap. Between hosts
-// the ops run over c10d backends that the Python creator makes on the group's store (torch's
-// gloo here: the fallback inter-host engine, which needs nothing installed):
-//   all     every rank of the group: point-to-point to other hosts, gather, scatter, all_to_all
+// the ops run over c10d backends that the Python creator makes on the group's store (UcxBackend
+// where the build has UCX; torch's gloo, the fallback that needs nothing installed, otherwise
+// and for point-to-point):
+//   all     every rank of the group: point-to-point to other hosts
+//   collectives  every rank of the group: gather, scatter, all_to_all (null: `all`)
 //   rail    the ranks of one local index on every host, when every host has as many ranks
 //   leaders local index 0 of every host (rail 0 when hosts are uniform, its own group otherwise)
 // Collectives are compositions of inner and inter-host steps (hierarchical_collectives.cpp
@@ -52,6 +54,7 @@ class HierarchicalBackend : public c10d::Backend {
  public:
   struct InterHost {
     c10::intrusive_ptr<c10d::Backend> all;      // every rank
+    c10::intrusive_ptr<c10d::Backend> collectives;  // every rank; null: all
     c10::intrusive_ptr<c10d::Backend> rail;     // uniform hosts only; else null
     c10::intrusive_ptr<c10d::Backend> leaders;  // on local index 0 only; else null
   };
@@ -61,6 +64,8 @@ class HierarchicalBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "cam"; }
   const HostMap& host_map() const { return map_; }
+  // The engine of the inter-host collectives ("cam-ucx" or "gloo").
+  std::string inter_host_engine() const { return inter_.collectives->getBackendName(); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -121,6 +126,8 @@ class HierarchicalBackend : public c10d::Backend {
   // store ends the wait.
   void local_step(const c10::intrusive_ptr<c10d::Work>& w) const;
   void inter_step(const c10::intrusive_ptr<c10d::Work>& w) const;
+  // Throws the failure a rank of another host published in the store, if any.
+  void raise_published() const;
 
   // The compositions (hierarchical_collectives.cpp). Tensors are contiguous.
   void allreduce_one(at::Tensor t, c10d::ReduceOp op);

@@ -407,7 +407,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::gather(std::vector<std::vect
   auto ins = inputs;
   std::vector<at::Tensor> result = outs.empty() ? std::vector<at::Tensor>{} : outs[0];
   return enqueue(c10d::OpType::GATHER, "gather", result, [this, outs, ins, opts]() mutable {
-    inter_step(inter_.all->gather(outs, ins, opts));
+    inter_step(inter_.collectives->gather(outs, ins, opts));
   });
 }
 
@@ -417,7 +417,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::scatter(std::vector<at::Tens
   auto outs = outputs;
   auto ins = inputs;
   return enqueue(c10d::OpType::SCATTER, "scatter", outputs, [this, outs, ins, opts]() mutable {
-    inter_step(inter_.all->scatter(outs, ins, opts));
+    inter_step(inter_.collectives->scatter(outs, ins, opts));
   });
 }
 
@@ -428,7 +428,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall_base(at::Tensor& ou
   at::Tensor out = output, in = input;
   auto os = output_splits, is = input_splits;
   return enqueue(c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {output}, [this, out, in, os, is, opts]() mutable {
-    inter_step(inter_.all->alltoall_base(out, in, os, is, opts));
+    inter_step(inter_.collectives->alltoall_base(out, in, os, is, opts));
   });
 }
 
@@ -437,7 +437,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall(std::vector<at::Ten
                                                              const c10d::AllToAllOptions& opts) {
   auto outs = outputs, ins = inputs;
   return enqueue(c10d::OpType::ALLTOALL, "all_to_all", outputs, [this, outs, ins, opts]() mutable {
-    inter_step(inter_.all->alltoall(outs, ins, opts));
+    inter_step(inter_.collectives->alltoall(outs, ins, opts));
   });
 }
 

@@ -48,6 +48,11 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
     else if (key == "log_level") c.log_level = parse_log_level(value);
     else if (key == "flight_recorder_entries") c.flight_recorder_entries = as_int();
     else if (key == "flight_recorder_path") c.flight_recorder_path = value;
+    else if (key == "inter_host_engine") {
+      TORCH_CHECK(value == "auto" || value == "ucx" || value == "gloo",
+                  "cam option inter_host_engine: expected auto, ucx or gloo, got '", value, "'");
+      c.inter_host_engine = value;
+    }
     else TORCH_CHECK(false, "cam: unknown option '", key, "'");
   }
   return c;
@@ -112,7 +117,7 @@ std::string CamConfig::to_string() const {
      << " sleep_max_us=" << sleep_max_us << " liveness_interval_ms=" << liveness_interval_ms
      << " progress_interval_us=" << progress_interval_us << " log_level=" << log_level_name(log_level)
      << " flight_recorder_entries=" << flight_recorder_entries
-     << " flight_recorder_path=" << flight_recorder_path << " timeout_ms=" << timeout.count();
+     << " flight_recorder_path=" << flight_recorder_path << " inter_host_engine=" << inter_host_engine << " timeout_ms=" << timeout.count();
   return os.str();
 }
 

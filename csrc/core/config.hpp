@@ -58,6 +58,9 @@ struct CamConfig {
   // fails: `<flight_recorder_path><global rank>.json` ("" : no automatic dump).
   int64_t flight_recorder_entries = 2000;
   std::string flight_recorder_path = "/tmp/torch_cam_trace_rank_";
+  // Between the hosts of a group that spans hosts: "ucx" (one-sided operations over UCX),
+  // "gloo" (torch's gloo), or "auto" (UCX where this build has it, else gloo).
+  std::string inter_host_engine = "auto";
   // Group timeout applied to every wait unless an op carries its own.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 

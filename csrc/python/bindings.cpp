@@ -7,6 +7,9 @@
 
 #include "../backend/cam_backend.hpp"
 #include "../backend/hierarchical_backend.hpp"
+#ifdef CAM_HAVE_UCX
+#include "../backend/ucx_backend.hpp"
+#endif
 #include "../transport/heap_allocator.hpp"
 #include "../transport/shm_heap.hpp"
 #include "../../kernels/copy.hpp"
@@ -209,16 +212,38 @@ PYBIND11_MODULE(_C, m) {
       m, "HierarchicalBackend", "The cam backend of a group whose ranks span hosts")
       .def(py::init([](int rank, int size, const std::vector<std::string>& host_keys,
                        const std::vector<std::string>& host_names, const c10::intrusive_ptr<cam::CamBackend>& local,
-                       const c10::intrusive_ptr<c10d::Backend>& all, const c10::intrusive_ptr<c10d::Backend>& rail,
+                       const c10::intrusive_ptr<c10d::Backend>& all,
+                       const c10::intrusive_ptr<c10d::Backend>& collectives,
+                       const c10::intrusive_ptr<c10d::Backend>& rail,
                        const c10::intrusive_ptr<c10d::Backend>& leaders, const c10::intrusive_ptr<c10d::Store>& store,
                        const std::string& group_desc) {
              return c10::make_intrusive<cam::HierarchicalBackend>(
                  rank, size, cam::HostMap::from_keys(host_keys, host_names), local,
-                 cam::HierarchicalBackend::InterHost{all, rail, leaders}, store, group_desc);
+                 cam::HierarchicalBackend::InterHost{all, collectives, rail, leaders}, store, group_desc);
            }),
            py::arg("rank"), py::arg("size"), py::arg("host_keys"), py::arg("host_names"), py::arg("local"),
-           py::arg("all"), py::arg("rail"), py::arg("leaders"), py::arg("store"), py::arg("group_desc"))
+           py::arg("all"), py::arg("collectives"), py::arg("rail"), py::arg("leaders"), py::arg("store"),
+           py::arg("group_desc"))
       .def_property_readonly("host_names", [](const cam::HierarchicalBackend& b) { return b.host_map().names; })
+      .def_property_readonly("inter_host_engine", &cam::HierarchicalBackend::inter_host_engine,
+                             "The engine of its collectives between hosts: \"cam-ucx\" or \"gloo\"")
       .def_property_readonly("host_ranks", [](const cam::HierarchicalBackend& b) { return b.host_map().ranks; },
                              "The group ranks on each host, hosts in order of their lowest rank");
+
+#ifdef CAM_HAVE_UCX
+  m.attr("ucx_version") = cam::ucx_version();
+  py::class_<cam::UcxBackend, c10d::Backend, c10::intrusive_ptr<cam::UcxBackend>>(
+      m, "UcxBackend", "The inter-host engine of a spanning group: one-sided put/get/atomics over UCX")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+                       const std::map<std::string, std::string>& options, const std::string& group_desc,
+                       const std::vector<std::string>& names) {
+             auto config = cam::CamConfig::from_map(options, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
+             config.validate(size);
+             return c10::make_intrusive<cam::UcxBackend>(store, rank, size, config, group_desc, names);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
+           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
+#else
+  m.attr("ucx_version") = py::none();
+#endif
 }

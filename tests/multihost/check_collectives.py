@@ -17,6 +17,8 @@ rank, world = dist.get_rank(), dist.get_world_size()
 backend = dist.group.WORLD._get_backend(__import__("torch").device("cpu"))
 assert isinstance(backend, torch_cam._C.HierarchicalBackend), type(backend)
 assert socket.gethostname() in backend.host_names, (socket.gethostname(), backend.host_names)
+want = {"ucx": "cam-ucx", "gloo": "gloo"}.get(os.environ.get("TORCH_CAM_INTER_HOST_ENGINE", ""))
+assert want is None or backend.inter_host_engine == want, (backend.inter_host_engine, want)
 bad = check_all(rank, world)
 dist.destroy_process_group()
 left = [f for f in os.listdir("/dev/shm") if f.startswith(f"torch_cam.{os.getuid()}.")]

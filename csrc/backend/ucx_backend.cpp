@@ -1,0 +1,358 @@
+#include "ucx_backend.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <cstring>
+
+#include "../../kernels/reduce.hpp"
+#include "../core/errors.hpp"
+#include "cam_backend.hpp"
+
+namespace cam {
+namespace {
+
+// The descriptor a sender puts into a reader's slot.
+struct Descriptor {
+  uint64_t seq;
+  uint64_t addr;
+  uint64_t bytes;
+  uint32_t rkey_bytes;
+  uint32_t pad;
+  // rkey_bytes of packed rkey follow
+};
+
+// An op that finished on the calling thread.
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : Work(rank, type),
+        future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(outputs));
+    finish();
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<at::ivalue::Future> future_;
+};
+
+c10::intrusive_ptr<c10d::Work> done(int rank, c10d::OpType type, std::vector<at::Tensor> outputs) {
+  return c10::make_intrusive<DoneWork>(rank, type, std::move(outputs));
+}
+
+UcxOptions transport_options(int rank, int size, const CamConfig& c, std::string desc,
+                             std::vector<std::string> names) {
+  UcxOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.timeout = c.timeout;
+  o.liveness_interval_ms = c.liveness_interval_ms;
+  o.spin_us = c.spin_us;
+  o.group_desc = std::move(desc);
+  o.names = std::move(names);
+  return o;
+}
+
+void check_dense(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
+}
+
+std::vector<int64_t> row_offsets(const std::vector<int64_t>& splits, int64_t rows, int size, std::vector<int64_t>& out) {
+  out = splits;
+  if (out.empty()) out.assign(size, rows / size);
+  std::vector<int64_t> off(size + 1, 0);
+  for (int p = 0; p < size; ++p) off[p + 1] = off[p] + out[p];
+  return off;
+}
+
+}  // namespace
+
+UcxBackend::UcxBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const CamConfig& config,
+                       std::string group_desc, std::vector<std::string> names)
+    : c10d::Backend(rank, size),
+      t_(std::move(store), transport_options(rank, size, config, std::move(group_desc), std::move(names))),
+      consumed_(size, 0),
+      readers_(size, 0) {}
+
+std::string UcxBackend::op_name(const char* op) const { return str("cam UCX ", op, " (seq ", seq_, ")"); }
+
+void UcxBackend::exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
+                          const std::vector<Block>& recvs) {
+  const int me = rank_;
+  const uint64_t seq = seq_;
+  std::unique_ptr<UcxRegion> region;
+  bool any_send = false;
+  for (int p = 0; p < size_; ++p) any_send |= p != me && sends[p].present;
+  if (any_send && send_region && send_region->nbytes() > 0)
+    region = t_.register_memory(send_region->data_ptr(), send_region->nbytes());
+  std::vector<uint8_t> desc;
+  for (int p = 0; p < size_; ++p) {
+    if (p == me || !sends[p].present) continue;
+    const size_t rk = sends[p].bytes && region ? region->packed_rkey().size() : 0;
+    desc.assign(sizeof(Descriptor) + rk, 0);
+    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, uint32_t(rk), 0};
+    std::memcpy(desc.data(), &d, sizeof d);
+    if (rk) std::memcpy(desc.data() + sizeof d, region->packed_rkey().data(), rk);
+    t_.post(p, desc.data(), desc.size());
+    ++readers_[p];
+  }
+  // Read every source as its descriptor arrives.
+  std::vector<std::unique_ptr<UcxRemoteKey>> keys;
+  std::vector<bool> waiting(size_, false);
+  int left = 0;
+  for (int p = 0; p < size_; ++p)
+    if (p != me && recvs[p].present) waiting[p] = true, ++left;
+  t_.wait_until(
+      [&] {
+        for (int p = 0; p < size_ && left > 0; ++p) {
+          if (!waiting[p] || t_.posted(p) == consumed_[p]) continue;
+          ++consumed_[p];
+          waiting[p] = false;
+          --left;
+          Descriptor d;
+          std::memcpy(&d, t_.slot(p), sizeof d);
+          if (d.seq != seq)
+            t_.raise(what, str("rank ", p, " is in inter-host op seq ", d.seq, ", this rank in seq ", seq,
+                               " (the ranks issued different collectives)"));
+          if (d.bytes != recvs[p].bytes)
+            t_.raise(what, str("rank ", p, " sends ", d.bytes, " bytes, this rank expects ", recvs[p].bytes));
+          if (d.bytes == 0) continue;
+          keys.push_back(t_.unpack_rkey(p, t_.slot(p) + sizeof d));
+          t_.get(p, recvs[p].ptr, d.bytes, d.addr, keys.back()->get());
+        }
+        return left == 0;
+      },
+      what, -1);
+  t_.complete(what);
+  keys.clear();
+  for (int p = 0; p < size_; ++p)
+    if (p != me && recvs[p].present) t_.signal_done(p);
+  t_.wait_until(
+      [&] {
+        for (int p = 0; p < size_; ++p)
+          if (p != me && t_.done(p) < readers_[p]) return false;
+        return true;
+      },
+      what + " (waiting for its readers)", -1);
+  t_.complete(what);
+}
+
+void UcxBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op) {
+  const std::string what = op_name("all_reduce");
+  const kernels::RedOp red = red_op_of(op);
+  const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
+  TORCH_CHECK(*why == 0, what, ": cannot reduce ", t.scalar_type(), " with ", kernels::red_op_name(red), ": ", why);
+  const int64_t n = t.numel();
+  const size_t es = t.element_size();
+  char* base = static_cast<char*>(t.data_ptr());
+  std::vector<Block> sends(size_), recvs(size_);
+  if (int64_t(t.nbytes()) <= kOneShotMaxBytes || n < size_) {
+    // Every rank reads every input and reduces them in rank order.
+    at::Tensor all = at::empty({int64_t(size_), n}, t.options());
+    std::vector<const void*> srcs(size_);
+    for (int p = 0; p < size_; ++p) {
+      sends[p] = Block{true, base, t.nbytes()};
+      recvs[p] = Block{true, all[p].data_ptr(), t.nbytes()};
+      srcs[p] = p == rank_ ? static_cast<const void*>(base) : all[p].data_ptr();
+    }
+    exchange(what, &t, sends, recvs);
+    kernels::reduce(t.scalar_type(), red, base, srcs.data(), size_, n, size_);
+    return;
+  }
+  // Reduce-scatter: rank p reduces shard p; then every rank reads every reduced shard.
+  const int64_t shard = (n + size_ - 1) / size_;
+  auto lo = [&](int p) { return std::min(n, int64_t(p) * shard); };
+  auto len = [&](int p) { return std::min(n, int64_t(p + 1) * shard) - lo(p); };
+  const int64_t mine = len(rank_);
+  at::Tensor parts = at::empty({int64_t(size_), std::max<int64_t>(mine, 1)}, t.options());
+  std::vector<const void*> srcs(size_);
+  for (int p = 0; p < size_; ++p) {
+    sends[p] = Block{true, base + lo(p) * es, size_t(len(p)) * es};
+    recvs[p] = Block{true, parts[p].data_ptr(), size_t(mine) * es};
+    srcs[p] = p == rank_ ? static_cast<const void*>(base + lo(rank_) * es) : parts[p].data_ptr();
+  }
+  exchange(what + " reduce-scatter", &t, sends, recvs);
+  if (mine > 0) kernels::reduce(t.scalar_type(), red, base + lo(rank_) * es, srcs.data(), size_, mine, size_);
+  ++seq_;
+  for (int p = 0; p < size_; ++p) {
+    sends[p] = Block{true, base + lo(rank_) * es, size_t(mine) * es};
+    recvs[p] = Block{true, base + lo(p) * es, size_t(len(p)) * es};
+  }
+  exchange(what + " all-gather", &t, sends, recvs);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  for (const auto& t : tensors) {
+    check_dense(t, "cam UCX all_reduce");
+    ++seq_;
+    allreduce_one(t, opts.reduceOp);
+  }
+  return done(rank_, c10d::OpType::ALLREDUCE, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "cam UCX reduce takes one tensor");
+  const at::Tensor& t = tensors[0];
+  check_dense(t, "cam UCX reduce");
+  ++seq_;
+  const std::string what = op_name("reduce");
+  const kernels::RedOp red = red_op_of(opts.reduceOp);
+  const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
+  TORCH_CHECK(*why == 0, what, ": cannot reduce ", t.scalar_type(), " with ", kernels::red_op_name(red), ": ", why);
+  const int root = int(opts.rootRank);
+  std::vector<Block> sends(size_), recvs(size_);
+  at::Tensor all;
+  std::vector<const void*> srcs(size_);
+  if (rank_ == root) {
+    all = at::empty({int64_t(size_), t.numel()}, t.options());
+    for (int p = 0; p < size_; ++p) {
+      recvs[p] = Block{true, all[p].data_ptr(), t.nbytes()};
+      srcs[p] = p == rank_ ? t.data_ptr() : all[p].data_ptr();
+    }
+  } else {
+    sends[root] = Block{true, t.data_ptr(), t.nbytes()};
+  }
+  exchange(what, &t, sends, recvs);
+  if (rank_ == root) kernels::reduce(t.scalar_type(), red, t.data_ptr(), srcs.data(), size_, t.numel(), size_);
+  return done(rank_, c10d::OpType::REDUCE, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  const int root = int(opts.rootRank);
+  for (const auto& t : tensors) {
+    check_dense(t, "cam UCX broadcast");
+    ++seq_;
+    std::vector<Block> sends(size_), recvs(size_);
+    for (int p = 0; p < size_; ++p) {
+      if (rank_ == root) sends[p] = Block{true, t.data_ptr(), t.nbytes()};
+    }
+    if (rank_ != root) recvs[root] = Block{true, t.data_ptr(), t.nbytes()};
+    exchange(op_name("broadcast"), &t, sends, recvs);
+  }
+  return done(rank_, c10d::OpType::BROADCAST, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& output_splits,
+                                                         std::vector<int64_t>& input_splits,
+                                                         const c10d::AllToAllOptions&) {
+  check_dense(input, "cam UCX all_to_all");
+  check_dense(output, "cam UCX all_to_all");
+  ++seq_;
+  const int64_t in_rows = input.dim() ? input.size(0) : 1;
+  const int64_t out_rows = output.dim() ? output.size(0) : 1;
+  const size_t in_row = in_rows ? input.nbytes() / in_rows : 0;
+  const size_t out_row = out_rows ? output.nbytes() / out_rows : 0;
+  std::vector<int64_t> is, os;
+  const auto in_off = row_offsets(input_splits, in_rows, size_, is);
+  const auto out_off = row_offsets(output_splits, out_rows, size_, os);
+  char* in = static_cast<char*>(input.data_ptr());
+  char* out = static_cast<char*>(output.data_ptr());
+  std::vector<Block> sends(size_), recvs(size_);
+  for (int p = 0; p < size_; ++p) {
+    sends[p] = Block{true, in + in_off[p] * in_row, size_t(is[p]) * in_row};
+    recvs[p] = Block{true, out + out_off[p] * out_row, size_t(os[p]) * out_row};
+  }
+  const std::string what = op_name("all_to_all");
+  TORCH_CHECK(sends[rank_].bytes == recvs[rank_].bytes, what, ": this rank sends itself ", sends[rank_].bytes,
+              " bytes and expects ", recvs[rank_].bytes);
+  exchange(what, &input, sends, recvs);
+  if (sends[rank_].bytes) std::memcpy(recvs[rank_].ptr, sends[rank_].ptr, sends[rank_].bytes);
+  return done(rank_, c10d::OpType::ALLTOALL_BASE, {output});
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK(int(outputs.size()) == size_ && int(inputs.size()) == size_, "cam UCX all_to_all takes ", size_,
+              " tensors each way");
+  std::vector<at::Tensor> flat_in;
+  std::vector<int64_t> in_splits, out_splits;
+  int64_t out_numel = 0;
+  for (int p = 0; p < size_; ++p) {
+    flat_in.push_back(inputs[p].reshape(-1));
+    in_splits.push_back(inputs[p].numel());
+    out_splits.push_back(outputs[p].numel());
+    out_numel += outputs[p].numel();
+  }
+  at::Tensor in = at::cat(flat_in);
+  at::Tensor out = at::empty({out_numel}, outputs[0].options());
+  alltoall_base(out, in, out_splits, in_splits, opts);
+  int64_t off = 0;
+  for (int p = 0; p < size_; ++p) {
+    outputs[p].copy_(out.narrow(0, off, outputs[p].numel()).view_as(outputs[p]));
+    off += outputs[p].numel();
+  }
+  return done(rank_, c10d::OpType::ALLTOALL, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  TORCH_CHECK(inputs.size() == 1, "cam UCX gather takes one input tensor");
+  const at::Tensor in = inputs[0].contiguous();
+  const int root = int(opts.rootRank);
+  ++seq_;
+  std::vector<Block> sends(size_), recvs(size_);
+  std::vector<at::Tensor> dense(size_);
+  if (rank_ == root) {
+    TORCH_CHECK(outputs.size() == 1 && int(outputs[0].size()) == size_, "cam UCX gather: the root takes ", size_,
+                " output tensors");
+    for (int p = 0; p < size_; ++p) {
+      dense[p] = outputs[0][p].is_contiguous() ? outputs[0][p] : at::empty_like(outputs[0][p], at::MemoryFormat::Contiguous);
+      recvs[p] = Block{true, dense[p].data_ptr(), dense[p].nbytes()};
+    }
+  } else {
+    sends[root] = Block{true, in.data_ptr(), in.nbytes()};
+  }
+  exchange(op_name("gather"), &in, sends, recvs);
+  if (rank_ == root) {
+    dense[rank_].copy_(in.view_as(dense[rank_]));
+    for (int p = 0; p < size_; ++p)
+      if (!dense[p].is_same(outputs[0][p])) outputs[0][p].copy_(dense[p]);
+  }
+  return done(rank_, c10d::OpType::GATHER, rank_ == root ? outputs[0] : std::vector<at::Tensor>{});
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const c10d::ScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == 1, "cam UCX scatter takes one output tensor");
+  at::Tensor out = outputs[0].is_contiguous() ? outputs[0] : at::empty_like(outputs[0], at::MemoryFormat::Contiguous);
+  const int root = int(opts.rootRank);
+  ++seq_;
+  std::vector<Block> sends(size_), recvs(size_);
+  at::Tensor flat;
+  if (rank_ == root) {
+    TORCH_CHECK(inputs.size() == 1 && int(inputs[0].size()) == size_, "cam UCX scatter: the root takes ", size_,
+                " input tensors");
+    std::vector<at::Tensor> parts;
+    for (const auto& x : inputs[0]) parts.push_back(x.reshape(-1));
+    flat = at::cat(parts);
+    char* base = static_cast<char*>(flat.data_ptr());
+    size_t off = 0;
+    for (int p = 0; p < size_; ++p) {
+      sends[p] = Block{true, base + off, inputs[0][p].nbytes()};
+      off += inputs[0][p].nbytes();
+    }
+  } else {
+    recvs[root] = Block{true, out.data_ptr(), out.nbytes()};
+  }
+  exchange(op_name("scatter"), &flat, sends, recvs);
+  if (rank_ == root) out.copy_(inputs[0][rank_].view_as(out));
+  if (!out.is_same(outputs[0])) outputs[0].copy_(out);
+  return done(rank_, c10d::OpType::SCATTER, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> UcxBackend::barrier(const c10d::BarrierOptions&) {
+  ++seq_;
+  std::vector<Block> all(size_, Block{true, nullptr, 0});
+  exchange(op_name("barrier"), nullptr, all, all);
+  return done(rank_, c10d::OpType::BARRIER, {});
+}
+
+}  // namespace cam

@@ -1,0 +1,356 @@
+#include "ucx_transport.hpp"
+
+#include <poll.h>
+#include <ucp/api/ucp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "../core/errors.hpp"
+
+namespace cam {
+namespace {
+
+std::string status_text(ucs_status_t s) { return ucs_status_string(s); }
+
+void put_u64(std::vector<uint8_t>& b, uint64_t v) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  b.insert(b.end(), p, p + 8);
+}
+uint64_t get_u64(const std::vector<uint8_t>& b, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, b.data() + at, 8);
+  return v;
+}
+
+size_t slots_offset(int size) { return (size_t(16) * size + 63) / 64 * 64; }
+
+}  // namespace
+
+struct UcxTransport::Peer {
+  UcxTransport* owner = nullptr;
+  int rank = 0;
+  ucp_ep_h ep = nullptr;
+  uint64_t window = 0;                  // its control window's address
+  std::unique_ptr<UcxRemoteKey> rkey;   // and key
+  ucs_status_t failed = UCS_OK;         // set by the endpoint's error handler
+};
+
+struct UcxTransport::Request {
+  void* req;
+  int peer;
+  const char* kind;
+};
+
+// ---- registration ----
+
+UcxRegion::UcxRegion(ucp_context_h ctx, void* base, size_t bytes) : ctx_(ctx), base_(base) {
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+  mp.address = base;
+  mp.length = bytes ? bytes : 1;
+  ucs_status_t s = ucp_mem_map(ctx, &mp, &memh_);
+  if (s != UCS_OK) throw FatalError(str("cannot register ", bytes, " bytes with UCX: ", status_text(s)));
+  void* packed = nullptr;
+  size_t n = 0;
+  s = ucp_rkey_pack(ctx, memh_, &packed, &n);
+  if (s != UCS_OK) {
+    ucp_mem_unmap(ctx, memh_);
+    throw FatalError(str("cannot pack a UCX remote key: ", status_text(s)));
+  }
+  rkey_.assign(static_cast<uint8_t*>(packed), static_cast<uint8_t*>(packed) + n);
+  ucp_rkey_buffer_release(packed);
+}
+
+UcxRegion::~UcxRegion() {
+  if (memh_) ucp_mem_unmap(ctx_, memh_);
+}
+
+UcxRemoteKey::UcxRemoteKey(ucp_ep_h ep, const void* packed) {
+  const ucs_status_t s = ucp_ep_rkey_unpack(ep, packed, &rkey_);
+  if (s != UCS_OK) throw FatalError(str("cannot unpack a peer's UCX remote key: ", status_text(s)));
+}
+
+UcxRemoteKey::~UcxRemoteKey() {
+  if (rkey_) ucp_rkey_destroy(rkey_);
+}
+
+// ---- construction ----
+
+UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts) : opts_(std::move(opts)) {
+  const int n = opts_.size;
+  const std::string what = "cam UCX transport setup";
+  ucp_config_t* config = nullptr;
+  ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+  if (s != UCS_OK) raise(what, "cannot read UCX's configuration: " + status_text(s));
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP;
+  s = ucp_init(&params, config, &ctx_);
+  ucp_config_release(config);
+  if (s != UCS_OK) raise(what, "cannot create a UCX context: " + status_text(s));
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  s = ucp_worker_create(ctx_, &wp, &worker_);
+  if (s != UCS_OK) raise(what, "cannot create a UCX worker: " + status_text(s));
+  s = ucp_worker_get_efd(worker_, &efd_);
+  if (s != UCS_OK) raise(what, "the UCX worker has no event descriptor: " + status_text(s));
+
+  window_bytes_ = slots_offset(n) + size_t(n) * kSlotBytes;
+  if (posix_memalign(&window_, 4096, window_bytes_) != 0) raise(what, "out of memory for the control window");
+  std::memset(window_, 0, window_bytes_);
+  window_region_ = std::make_unique<UcxRegion>(ctx_, window_, window_bytes_);
+  outbox_.resize(n);
+
+  // Publish: window address, worker address, window rkey.
+  ucp_address_t* address = nullptr;
+  size_t address_len = 0;
+  s = ucp_worker_get_address(worker_, &address, &address_len);
+  if (s != UCS_OK) raise(what, "cannot get the UCX worker's address: " + status_text(s));
+  std::vector<uint8_t> record;
+  put_u64(record, uint64_t(window_));
+  put_u64(record, address_len);
+  record.insert(record.end(), reinterpret_cast<uint8_t*>(address), reinterpret_cast<uint8_t*>(address) + address_len);
+  const auto& rk = window_region_->packed_rkey();
+  record.insert(record.end(), rk.begin(), rk.end());
+  ucp_worker_release_address(worker_, address);
+  store->set("ucx/" + std::to_string(opts_.rank), record);
+
+  peers_.resize(n);
+  for (int q = 0; q < n; ++q) {
+    if (q == opts_.rank) continue;
+    auto p = std::make_unique<Peer>();
+    p->owner = this;
+    p->rank = q;
+    const std::vector<uint8_t> r = store->get("ucx/" + std::to_string(q));
+    p->window = get_u64(r, 0);
+    const size_t alen = get_u64(r, 8);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(r.data() + 16);
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+      auto* peer = static_cast<Peer*>(arg);
+      if (peer->failed == UCS_OK) peer->failed = status;
+    };
+    ep.err_handler.arg = p.get();
+    s = ucp_ep_create(worker_, &ep, &p->ep);
+    if (s != UCS_OK) raise(what, str("cannot create a UCX endpoint to rank ", q, " (", peer_name(q), "): ", status_text(s)));
+    p->rkey = std::make_unique<UcxRemoteKey>(p->ep, r.data() + 16 + alen);
+    peers_[q] = std::move(p);
+  }
+
+  // Wire up: read one word of every peer's window, then stay progressing until every peer has
+  // done the same (a peer's read is served by this rank's progress, over TCP).
+  std::vector<uint64_t> probe(n);
+  for (int q = 0; q < n; ++q)
+    if (q != opts_.rank) get(q, &probe[q], 8, peers_[q]->window, peers_[q]->rkey->get());
+  complete(what);
+  store->set("ucx_ready/" + std::to_string(opts_.rank), std::vector<uint8_t>{1});
+  std::vector<std::string> ready;
+  for (int q = 0; q < n; ++q) ready.push_back("ucx_ready/" + std::to_string(q));
+  auto last_check = std::chrono::steady_clock::now() - std::chrono::hours(1);
+  wait_until(
+      [&] {
+        // The store is a network round trip: ask it once a millisecond, progress in between.
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last_check < std::chrono::milliseconds(1)) return false;
+        last_check = now;
+        return store->check(ready);
+      },
+      what + " (waiting for every rank to connect)", -1);
+}
+
+UcxTransport::~UcxTransport() {
+  // Requests still pending (an op that raised) are abandoned with their endpoints.
+  for (auto& r : pending_) ucp_request_free(r.req);
+  pending_.clear();
+  std::vector<void*> closing;
+  for (auto& p : peers_) {
+    if (!p) continue;
+    p->rkey.reset();
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* req = ucp_ep_close_nbx(p->ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+  }
+  // A forced close completes locally; bound the wait anyway.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (void* req : closing) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until)
+      ucp_worker_progress(worker_);
+    ucp_request_free(req);
+  }
+  window_region_.reset();
+  if (worker_) ucp_worker_destroy(worker_);
+  if (ctx_) ucp_cleanup(ctx_);
+  std::free(window_);
+}
+
+// ---- operations ----
+
+std::unique_ptr<UcxRegion> UcxTransport::register_memory(void* base, size_t bytes) {
+  return std::make_unique<UcxRegion>(ctx_, base, bytes);
+}
+
+std::unique_ptr<UcxRemoteKey> UcxTransport::unpack_rkey(int peer, const void* packed) {
+  return std::make_unique<UcxRemoteKey>(peers_.at(peer)->ep, packed);
+}
+
+void UcxTransport::track(void* status_ptr, int peer, const char* kind) {
+  if (status_ptr == nullptr) return;  // completed at once
+  if (UCS_PTR_IS_ERR(status_ptr))
+    raise(str("cam UCX ", kind), str("the ", kind, " to rank ", peer, " (", peer_name(peer), ") failed: ",
+                                    status_text(UCS_PTR_STATUS(status_ptr))));
+  pending_.push_back(Request{status_ptr, peer, kind});
+}
+
+void UcxTransport::put(int peer, const void* src, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey) {
+  if (bytes == 0) return;
+  ucp_request_param_t rp{};
+  track(ucp_put_nbx(peers_[peer]->ep, src, bytes, remote_addr, rkey, &rp), peer, "put");
+}
+
+void UcxTransport::get(int peer, void* dst, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey) {
+  if (bytes == 0) return;
+  ucp_request_param_t rp{};
+  track(ucp_get_nbx(peers_[peer]->ep, dst, bytes, remote_addr, rkey, &rp), peer, "get");
+}
+
+void UcxTransport::add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value) {
+  // The operand must outlive the request: it is kept until complete().
+  operands_.push_back(value);
+  const uint64_t* operand = &operands_.back();
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
+  rp.datatype = ucp_dt_make_contig(8);
+  track(ucp_atomic_op_nbx(peers_[peer]->ep, UCP_ATOMIC_OP_ADD, operand, 1, remote_addr, rkey, &rp), peer,
+        "atomic add");
+}
+
+void UcxTransport::fence() {
+  const ucs_status_t s = ucp_worker_fence(worker_);
+  if (s != UCS_OK) raise("cam UCX fence", status_text(s));
+}
+
+void UcxTransport::complete(const std::string& what) {
+  wait_until(
+      [&] {
+        size_t keep = 0;
+        for (auto& r : pending_) {
+          const ucs_status_t s = ucp_request_check_status(r.req);
+          if (s == UCS_INPROGRESS) {
+            pending_[keep++] = r;
+            continue;
+          }
+          ucp_request_free(r.req);
+          if (s != UCS_OK) {
+            const Request failed = r;
+            pending_.erase(pending_.begin() + keep, pending_.begin() + keep + 1);
+            raise(what, str("the ", failed.kind, " to rank ", failed.peer, " (", peer_name(failed.peer),
+                            ") failed: ", status_text(s)));
+          }
+        }
+        pending_.resize(keep);
+        if (!pending_.empty()) return false;
+        operands_.clear();
+        return true;
+      },
+      what, -1);
+}
+
+// ---- the control window ----
+
+void UcxTransport::post(int peer, const void* bytes, size_t n) {
+  if (n > kSlotBytes) raise("cam UCX post", str("a descriptor of ", n, " bytes exceeds the slot of ", kSlotBytes));
+  auto& box = outbox_[peer];
+  box.assign(static_cast<const uint8_t*>(bytes), static_cast<const uint8_t*>(bytes) + n);
+  const Peer& p = *peers_[peer];
+  put(peer, box.data(), n, p.window + slots_offset(opts_.size) + size_t(opts_.rank) * kSlotBytes, p.rkey->get());
+  fence();
+  add(peer, p.window + 8 * size_t(opts_.rank), p.rkey->get(), 1);
+}
+
+void UcxTransport::signal_done(int peer) {
+  const Peer& p = *peers_[peer];
+  add(peer, p.window + 8 * size_t(opts_.size + opts_.rank), p.rkey->get(), 1);
+}
+
+uint64_t UcxTransport::posted(int from) const {
+  return __atomic_load_n(static_cast<uint64_t*>(window_) + from, __ATOMIC_ACQUIRE);
+}
+
+uint64_t UcxTransport::done(int from) const {
+  return __atomic_load_n(static_cast<uint64_t*>(window_) + opts_.size + from, __ATOMIC_ACQUIRE);
+}
+
+const uint8_t* UcxTransport::slot(int from) const {
+  return static_cast<const uint8_t*>(window_) + slots_offset(opts_.size) + size_t(from) * kSlotBytes;
+}
+
+// ---- waiting ----
+
+bool UcxTransport::progress() { return ucp_worker_progress(worker_) != 0; }
+
+void UcxTransport::sleep_on_worker(std::chrono::milliseconds at_most) {
+  // arm() says BUSY when events are already queued: progress again instead of sleeping.
+  if (ucp_worker_arm(worker_) != UCS_OK) return;
+  pollfd pfd{efd_, POLLIN, 0};
+  ::poll(&pfd, 1, int(at_most.count()));
+}
+
+void UcxTransport::check_peers(const std::string& what, int peer) const {
+  for (const auto& p : peers_) {
+    if (!p || p->failed == UCS_OK) continue;
+    // A peer that failed an op first and then closed its endpoints: its published cause is the
+    // real one, not the endpoint's error.
+    if (interrupt_) interrupt_();
+    raise(what, str("rank ", p->rank, " (", peer_name(p->rank), ") is unreachable: its UCX endpoint failed with \"",
+                    status_text(p->failed), "\" (the process died or its host is down)",
+                    peer >= 0 && peer != p->rank ? str("; waiting on rank ", peer) : std::string()));
+  }
+}
+
+void UcxTransport::wait_until(const std::function<bool()>& ready, const std::string& what, int peer) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  const auto deadline = start + opts_.timeout;
+  const auto interval = std::chrono::milliseconds(opts_.liveness_interval_ms);
+  auto next_interrupt = start + interval;
+  const auto spin_until = start + std::chrono::microseconds(opts_.spin_us);
+  while (true) {
+    const bool moved = progress();
+    if (ready()) return;
+    check_peers(what, peer);
+    const auto now = clock::now();
+    if (now >= next_interrupt) {
+      next_interrupt = now + interval;
+      if (interrupt_) interrupt_();
+    }
+    if (now >= deadline)
+      raise(what, str("timed out after ", opts_.timeout.count(), " ms",
+                      peer >= 0 ? str(" waiting on rank ", peer, " (", peer_name(peer), ")") : std::string()));
+    if (!moved && now >= spin_until) sleep_on_worker(std::chrono::milliseconds(1));
+  }
+}
+
+std::string UcxTransport::peer_name(int peer) const {
+  return peer >= 0 && size_t(peer) < opts_.names.size() ? opts_.names[peer] : "?";
+}
+
+void UcxTransport::raise(const std::string& what, const std::string& why) const {
+  throw FatalError(str(what, " on rank ", opts_.rank, " of group ", opts_.group_desc, ": ", why));
+}
+
+std::string ucx_version() {
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  return str(major, ".", minor, ".", release);
+}
+
+}  // namespace cam

@@ -1,0 +1,157 @@
+// UcxTransport: one-sided operations between the ranks of a group over UCX's UCP API (TCP
+// everywhere, RDMA where the machine has it). The inter-host counterpart of ShmHeap: where a
+// shm peer's memory is mapped and written with stores, a UCX peer's memory is registered and
+// written with put / get / 64-bit atomic add, and waits read counters in this rank's own window.
+//
+// Contract:
+//   - Each instance owns one UCP context and worker (used by one thread at a time), an endpoint
+//     per peer in peer-error mode, and a registered control window:
+//       posted[q]  counter peer q increments after putting a descriptor into slot[q]
+//       done[q]    counter peer q increments when it has finished reading this rank's memory
+//       slot[q]    kSlotBytes that peer q writes with put (a descriptor: address, length, rkey)
+//     Worker addresses and the window's rkey are exchanged through the group's store at
+//     construction; every endpoint is wired up (flushed) before the constructor returns.
+//   - put / get / add are non-blocking; complete() waits for every one issued so far. fence()
+//     orders the ones issued before it ahead of the ones issued after (a descriptor put, then the
+//     counter add that announces it).
+//   - Over TCP UCX emulates RMA and atomics with messages that the target handles in its own
+//     progress: a rank whose memory is being read must be waiting in this transport (every
+//     wait progresses the worker) until its readers signal done.
+//   - Every wait has the group's deadline, raises FatalError naming the op, the rank and the peer
+//     when a peer's endpoint fails (a dead or unreachable process is an endpoint error, never a
+//     pid check), and calls the interrupt hook every liveness interval, which may throw (a failure
+//     published elsewhere).
+//   - Waiting spins on the worker for spin_us, then sleeps on the worker's event descriptor
+//     (woken by arriving traffic, at most 1 ms so that an RDMA atomic, which raises no event, is
+//     seen too): no core is burned while a peer on another host is slow.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+// UCX's handles, declared so that users of this header need not include ucp.h.
+typedef struct ucp_context* ucp_context_h;
+typedef struct ucp_worker* ucp_worker_h;
+typedef struct ucp_ep* ucp_ep_h;
+typedef struct ucp_mem* ucp_mem_h;
+typedef struct ucp_rkey* ucp_rkey_h;
+
+namespace cam {
+
+struct UcxOptions {
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{300000};
+  int64_t liveness_interval_ms = 50;
+  int64_t spin_us = 5;
+  std::string group_desc;           // for messages
+  std::vector<std::string> names;   // peer -> where it runs (hostname), for messages
+};
+
+// Registered local memory: what a peer needs to read or write it (its packed rkey).
+class UcxRegion {
+ public:
+  UcxRegion(ucp_context_h ctx, void* base, size_t bytes);
+  ~UcxRegion();
+  UcxRegion(const UcxRegion&) = delete;
+  UcxRegion& operator=(const UcxRegion&) = delete;
+  uint64_t address() const { return uint64_t(base_); }
+  const std::vector<uint8_t>& packed_rkey() const { return rkey_; }
+
+ private:
+  ucp_context_h ctx_;
+  void* base_;
+  ucp_mem_h memh_ = nullptr;
+  std::vector<uint8_t> rkey_;
+};
+
+// A peer's rkey, unpacked on the endpoint to that peer.
+class UcxRemoteKey {
+ public:
+  UcxRemoteKey(ucp_ep_h ep, const void* packed);
+  ~UcxRemoteKey();
+  UcxRemoteKey(const UcxRemoteKey&) = delete;
+  UcxRemoteKey& operator=(const UcxRemoteKey&) = delete;
+  ucp_rkey_h get() const { return rkey_; }
+
+ private:
+  ucp_rkey_h rkey_ = nullptr;
+};
+
+class UcxTransport {
+ public:
+  static constexpr size_t kSlotBytes = 1024;
+
+  UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts);
+  ~UcxTransport();
+  UcxTransport(const UcxTransport&) = delete;
+  UcxTransport& operator=(const UcxTransport&) = delete;
+
+  int rank() const { return opts_.rank; }
+  int size() const { return opts_.size; }
+  const UcxOptions& options() const { return opts_; }
+  // The interrupt hook, called every liveness interval inside waits; it may throw.
+  void set_interrupt(std::function<void()> hook) { interrupt_ = std::move(hook); }
+
+  std::unique_ptr<UcxRegion> register_memory(void* base, size_t bytes);
+  std::unique_ptr<UcxRemoteKey> unpack_rkey(int peer, const void* packed);
+
+  // One-sided operations, non-blocking: the buffers must stay valid until complete().
+  void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
+  void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
+  void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
+  void fence();
+  void complete(const std::string& what);
+
+  // The control window. post() puts `bytes` (at most kSlotBytes) into this rank's slot at
+  // `peer`, fenced before the add on the peer's posted[rank]. signal_done() adds one to the
+  // peer's done[rank].
+  void post(int peer, const void* bytes, size_t n);
+  void signal_done(int peer);
+  uint64_t posted(int from) const;
+  uint64_t done(int from) const;
+  const uint8_t* slot(int from) const;
+
+  // Progresses the worker until ready() holds; `what` names the op, `peer` the rank waited on
+  // (-1: several), for the messages of a timeout or a failed endpoint.
+  void wait_until(const std::function<bool()>& ready, const std::string& what, int peer);
+
+  // Every transport error reads "<what> on rank r of group G: <why>".
+  [[noreturn]] void raise(const std::string& what, const std::string& why) const;
+
+ private:
+  struct Peer;
+  struct Request;
+  void track(void* status_ptr, int peer, const char* kind);
+  void check_peers(const std::string& what, int peer) const;
+  bool progress();
+  void sleep_on_worker(std::chrono::milliseconds at_most);
+  std::string peer_name(int peer) const;
+
+  UcxOptions opts_;
+  std::function<void()> interrupt_;
+  ucp_context_h ctx_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  // The control window: posted[size], done[size], slots[size][kSlotBytes].
+  void* window_ = nullptr;
+  size_t window_bytes_ = 0;
+  std::unique_ptr<UcxRegion> window_region_;
+  std::vector<Request> pending_;
+  std::vector<std::vector<uint8_t>> outbox_;  // per peer: the descriptor being put
+  std::deque<uint64_t> operands_;            // the operands of the adds not yet complete
+};
+
+// Whether this build has UCX (it always does when this header is compiled in; the Python side
+// asks the module).
+std::string ucx_version();
+
+}  // namespace cam
