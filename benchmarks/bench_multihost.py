@@ -4,8 +4,9 @@
 
 Runs itself on 2 hosts x 2 ranks made by the team's multihost.sh (namespaces with their own
 network, /dev/shm and boot id; needs root), once per link shaping (tc tbf; "none" = unshaped
-veth). In one job per shaping it times, for each op and size, cam (cam inside a host, gloo
-between hosts: the build has no UCX) and flat gloo over the same 4 ranks, and between two hosts
+veth). In one job per shaping it times, for each op and size, cam (cam inside a host, UCX
+between hosts where the build has it), cam with the gloo fallback between hosts, and flat gloo
+over the same 4 ranks, and between two hosts
 a plain TCP stream (throughput) and a 1-byte ping-pong (round trip). Times are medians over
 samples of the slowest rank, each sample from a barrier. "link" is the op's inter-host bytes
 per direction (the least any algorithm must move: all_reduce 2(H-1)/H x S, all_gather
@@ -114,6 +115,8 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == HOSTS * PER_HOST, world
     gloo = dist.new_group(backend="gloo")
+    cam_gloo = dist.new_group(backend="cam", pg_options={"inter_host_engine": "gloo"})
+    engine = dist.group.WORLD._get_backend(torch.device("cpu")).inter_host_engine
     host_ranks = [list(range(h * PER_HOST, (h + 1) * PER_HOST)) for h in range(HOSTS)]
     local = None
     for ranks in host_ranks:  # every rank takes part in every new_group call
@@ -143,6 +146,8 @@ def worker(args) -> None:
             cam_s = timed_slowest(lambda: fn(None), gloo, args.samples)
             gloo_s = timed_slowest(lambda: fn(gloo), gloo, args.samples)
             row = {"op": op, "bytes": nbytes, "cam_s": cam_s, "gloo_s": gloo_s}
+            if engine != "gloo":
+                row["cam_gloo_s"] = timed_slowest(lambda: fn(cam_gloo), gloo, args.samples)
             if op == "all_reduce" and nbytes <= 4096:
                 row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
             rows.append(row)
@@ -150,7 +155,7 @@ def worker(args) -> None:
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"raw": raws[0], "rows": rows}, f)
+            json.dump({"raw": raws[0], "rows": rows, "engine": engine}, f)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
 
@@ -190,13 +195,17 @@ def table(rate: str, res: dict) -> list[str]:
     lines = [f"### {HOSTS} hosts x {PER_HOST} ranks, link {'unshaped (veth)' if rate == 'none' else rate}",
              "",
              f"Raw link between two hosts: TCP stream {stream / 1e9:.3f} GB/s, 1-byte round trip {rtt * 1e6:.0f} us.",
+             f"cam between hosts: {res.get('engine', 'gloo')}; \"cam (gloo)\": the same group with the gloo fallback.",
              "",
-             "| op | size per rank | cam ms | gloo ms | cam / gloo speedup | cam link GB/s | of raw stream |",
-             "|---|---|---|---|---|---|---|"]
+             "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
-        lines.append(f"| {r['op']} | {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
-                     f"{r['gloo_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
+        cg = r.get("cam_gloo_s")
+        lines.append(f"| {r['op']} | {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | "
+                     f"{cg * 1e3 if cg else float('nan'):.3f} | {r['gloo_s'] * 1e3:.3f} | "
+                     f"{r['gloo_s'] / r['cam_s']:.2f}x | {cg / r['cam_s'] if cg else float('nan'):.2f}x | "
+                     f"{link / 1e9:.3f} | {link / stream:.0%} |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]
