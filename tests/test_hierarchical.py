@@ -129,6 +129,31 @@ def _have_ucx():
     return torch_cam._C.ucx_version is not None
 
 
+def _split_mismatch(rank, world, init_file, hosts):
+    """Rank 3 (host 1) expects 2 elements from rank 0 where rank 0 sends 1: every rank raises
+    fast, and the rank that saw it names both lengths."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        out_splits = [2 if rank == 3 and p == 0 else 1 for p in range(world)]
+        out = torch.empty(sum(out_splits))
+        first = _timed_raise(lambda: dist.all_to_all_single(out, torch.ones(world), out_splits, [1] * world))
+        return first, _timed_raise(lambda: dist.all_reduce(torch.ones(1)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _frozen(rank, world, init_file, hosts):
+    """Rank 3 (host 1) stops (SIGSTOP: alive, silent): every other rank raises at the group's
+    deadline, not later, naming the timeout."""
+    import signal
+    _init(rank, world, init_file, hosts, timeout_s=4)
+    t = torch.ones(1 << 10)
+    dist.all_reduce(t)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return _timed_raise(lambda: [dist.all_reduce(t) for _ in range(1000)])
+
+
 class _HierarchicalCases:
     ENGINE = ""
 
@@ -182,6 +207,31 @@ class _HierarchicalCases:
             self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
         self.assertIn("needs one list of 4 output tensors", results[1][1][2])
         self.assertIn("rank 1", results[0][1][2])
+
+    def test_split_mismatch_raises_on_every_host(self):
+        if self.ENGINE == "gloo":
+            self.skipTest("gloo sees disagreeing all_to_all splits only where the bytes arrive, and ranks "
+                          "whose own blocks matched complete (docs/multihost.md)")
+        results = self.run_ranks(_split_mismatch, 4, [0, 0, 1, 1], deadline_s=120)
+        assert_all_ok(self, results)
+        for r, (_, (first, then)) in results.items():
+            how, took, msg = first
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+            self.assertIn("all_to_all", msg)
+            self.assertEqual(then[0], "raised", f"rank {r}: the group stayed usable after the failure")
+        self.assertIn("rank 0 sends 4 bytes, this rank expects 8", results[3][1][0][2])
+
+    def test_frozen_rank_raises_at_the_deadline(self):
+        results = self.run_ranks(_frozen, 4, [0, 0, 1, 1], deadline_s=90, allow_died=(3,))
+        for r in (0, 1, 2):
+            status, value = results[r]
+            self.assertEqual(status, "ok", value)
+            how, took, msg = value
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 4 + 6, f"rank {r} took {took:.1f} s: {msg}")
+        self.assertTrue(any("timeout after 4000 ms" in results[r][1][2] for r in (0, 1, 2)),
+                        [results[r][1][2] for r in (0, 1, 2)])
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())

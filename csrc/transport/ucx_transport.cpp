@@ -338,7 +338,7 @@ void UcxTransport::wait_until(const std::function<bool()>& ready, const std::str
       if (interrupt_) interrupt_();
     }
     if (now >= deadline)
-      raise(what, str("timed out after ", opts_.timeout.count(), " ms",
+      raise(what, str("timeout after ", opts_.timeout.count(), " ms",
                       peer >= 0 ? str(" waiting on rank ", peer, " (", peer_name(peer), ")") : std::string()));
     if (!moved && now >= spin_until) sleep_on_worker(std::chrono::milliseconds(1));
   }
