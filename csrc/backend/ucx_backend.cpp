@@ -18,9 +18,10 @@ struct Descriptor {
   uint64_t addr;
   uint64_t bytes;
   uint32_t rkey_bytes;
-  uint32_t pad;
-  // rkey_bytes of packed rkey follow
+  uint32_t eager;  // 1: the block's bytes follow instead of an rkey
+  // rkey_bytes of packed rkey, or `bytes` of data, follow
 };
+static_assert(sizeof(Descriptor) + UcxBackend::kEagerBytes <= UcxTransport::kSlotBytes);
 
 // An op that finished on the calling thread.
 class DoneWork : public c10d::Work {
@@ -84,19 +85,23 @@ void UcxBackend::exchange(const std::string& what, const at::Tensor* send_region
                           const std::vector<Block>& recvs) {
   const int me = rank_;
   const uint64_t seq = seq_;
+  const auto eager = [](const Block& b) { return b.bytes <= kEagerBytes; };
   std::unique_ptr<UcxRegion> region;
-  bool any_send = false;
-  for (int p = 0; p < size_; ++p) any_send |= p != me && sends[p].present;
-  if (any_send && send_region && send_region->nbytes() > 0)
+  bool any_get = false;
+  for (int p = 0; p < size_; ++p) any_get |= p != me && sends[p].present && !eager(sends[p]);
+  if (any_get) {
+    TORCH_INTERNAL_ASSERT(send_region, what, ": a block to be read needs its registered tensor");
     region = t_.register_memory(send_region->data_ptr(), send_region->nbytes());
+  }
   std::vector<uint8_t> desc;
   for (int p = 0; p < size_; ++p) {
     if (p == me || !sends[p].present) continue;
-    const size_t rk = sends[p].bytes && region ? region->packed_rkey().size() : 0;
-    desc.assign(sizeof(Descriptor) + rk, 0);
-    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, uint32_t(rk), 0};
+    const bool inline_data = eager(sends[p]);
+    const size_t tail = inline_data ? sends[p].bytes : region->packed_rkey().size();
+    desc.assign(sizeof(Descriptor) + tail, 0);
+    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, uint32_t(inline_data ? 0 : tail), inline_data};
     std::memcpy(desc.data(), &d, sizeof d);
-    if (rk) std::memcpy(desc.data() + sizeof d, region->packed_rkey().data(), rk);
+    if (tail) std::memcpy(desc.data() + sizeof d, inline_data ? sends[p].ptr : region->packed_rkey().data(), tail);
     t_.post(p, desc.data(), desc.size());
     ++readers_[p];
   }
@@ -121,6 +126,10 @@ void UcxBackend::exchange(const std::string& what, const at::Tensor* send_region
           if (d.bytes != recvs[p].bytes)
             t_.raise(what, str("rank ", p, " sends ", d.bytes, " bytes, this rank expects ", recvs[p].bytes));
           if (d.bytes == 0) continue;
+          if (d.eager) {
+            std::memcpy(recvs[p].ptr, t_.slot(p) + sizeof d, d.bytes);
+            continue;
+          }
           keys.push_back(t_.unpack_rkey(p, t_.slot(p) + sizeof d));
           t_.get(p, recvs[p].ptr, d.bytes, d.addr, keys.back()->get());
         }

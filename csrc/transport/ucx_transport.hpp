@@ -8,7 +8,8 @@
 //     per peer in peer-error mode, and a registered control window:
 //       posted[q]  counter peer q increments after putting a descriptor into slot[q]
 //       done[q]    counter peer q increments when it has finished reading this rank's memory
-//       slot[q]    kSlotBytes that peer q writes with put (a descriptor: address, length, rkey)
+//       slot[q]    kSlotBytes that peer q writes with put (a descriptor: address, length and
+//                  rkey, or a small message itself)
 //     Worker addresses and the window's rkey are exchanged through the group's store at
 //     construction; every endpoint is wired up (flushed) before the constructor returns.
 //   - put / get / add are non-blocking; complete() waits for every one issued so far. fence()
@@ -87,7 +88,7 @@ class UcxRemoteKey {
 
 class UcxTransport {
  public:
-  static constexpr size_t kSlotBytes = 1024;
+  static constexpr size_t kSlotBytes = 17 << 10;
 
   UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts);
   ~UcxTransport();
