@@ -94,8 +94,8 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
 
     def inter(prefix: str, r: int, n: int, where: list[str], what: str):
         if engine == "ucx":
-            return _C.UcxBackend(dist.PrefixStore(prefix, store), r, n, timeout.total_seconds(),
-                                 opts.to_native(), f"{desc} ({what})", where)
+            return _C.OneSidedBackend.over_ucx(dist.PrefixStore(prefix, store), r, n, timeout.total_seconds(),
+                                               opts.to_native(), f"{desc} ({what})", where)
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, n, timeout=timeout)
 
     rank_hosts = [host_names[h] for h in hm["host_of"]]

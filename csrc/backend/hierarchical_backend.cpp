@@ -6,9 +6,7 @@
 #include <map>
 
 #include "../core/errors.hpp"
-#ifdef CAM_HAVE_UCX
-#include "ucx_backend.hpp"
-#endif
+#include "one_sided_backend.hpp"
 
 namespace cam {
 namespace {
@@ -125,11 +123,10 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
   TORCH_CHECK(!leader() || inter_.leaders, "cam: the leader of a host needs the leaders' backend");
   TORCH_CHECK(!map_.uniform() || inter_.rail, "cam: uniform hosts need a rail backend");
   if (!inter_.collectives) inter_.collectives = inter_.all;
-#ifdef CAM_HAVE_UCX
-  // UCX waits run on this worker inside the step: they read the failure key themselves.
+  // A one-sided engine's waits run on this worker inside the step: they read the failure key
+  // themselves.
   for (auto* b : {inter_.collectives.get(), inter_.rail.get(), inter_.leaders.get()})
-    if (auto* ucx = dynamic_cast<UcxBackend*>(b)) ucx->set_interrupt([this] { raise_published(); });
-#endif
+    if (auto* one_sided = dynamic_cast<OneSidedBackend*>(b)) one_sided->set_interrupt([this] { raise_published(); });
   worker_ = std::thread([this] { worker_main(); });
 }
 

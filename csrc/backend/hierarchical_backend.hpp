@@ -1,7 +1,7 @@
 // HierarchicalBackend: the "cam" backend of a group whose ranks span hosts (host_key()).
 //
 // The ranks of one host form an inner CamBackend over their shared-memory heap. Between hosts
-// the ops run over c10d backends that the Python creator makes on the group's store (UcxBackend
+// the ops run over c10d backends that the Python creator makes on the group's store (OneSidedBackend
 // where the build has UCX; torch's gloo, the fallback that needs nothing installed, otherwise
 // and for point-to-point):
 //   all     every rank of the group: point-to-point to other hosts

@@ -7,8 +7,10 @@
 
 #include "../backend/cam_backend.hpp"
 #include "../backend/hierarchical_backend.hpp"
+#include "../backend/one_sided_backend.hpp"
+#include "../transport/loopback_transport.hpp"
 #ifdef CAM_HAVE_UCX
-#include "../backend/ucx_backend.hpp"
+#include "../transport/ucx_transport.hpp"
 #endif
 #include "../transport/heap_allocator.hpp"
 #include "../transport/shm_heap.hpp"
@@ -230,19 +232,48 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("host_ranks", [](const cam::HierarchicalBackend& b) { return b.host_map().ranks; },
                              "The group ranks on each host, hosts in order of their lowest rank");
 
+  py::class_<cam::LoopbackFabric, std::shared_ptr<cam::LoopbackFabric>>(
+      m, "LoopbackFabric", "Control windows of ranks that are threads of this process (tests of the inter-host engine)")
+      .def(py::init([](int size, double timeout_s) {
+             return std::make_shared<cam::LoopbackFabric>(size, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
+           }),
+           py::arg("size"), py::arg("timeout_s"))
+      .def("mark_dead", &cam::LoopbackFabric::mark_dead, py::arg("rank"),
+           "Every other rank's wait raises as for a lost endpoint")
+      .def("fail_posts_to", &cam::LoopbackFabric::fail_posts_to, py::arg("rank"),
+           "Every post to this rank raises as a failed put");
+  py::class_<cam::OneSidedBackend, c10d::Backend, c10::intrusive_ptr<cam::OneSidedBackend>>(
+      m, "OneSidedBackend", "The inter-host engine of a spanning group, over one-sided operations")
+      .def_static(
+          "over_loopback",
+          [](const std::shared_ptr<cam::LoopbackFabric>& fabric, int rank) {
+            return c10::make_intrusive<cam::OneSidedBackend>(std::make_unique<cam::LoopbackTransport>(fabric, rank));
+          },
+          py::arg("fabric"), py::arg("rank"))
+#ifdef CAM_HAVE_UCX
+      .def_static(
+          "over_ucx",
+          [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+             const std::map<std::string, std::string>& options, const std::string& group_desc,
+             const std::vector<std::string>& names) {
+            auto config = cam::CamConfig::from_map(options, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
+            config.validate(size);
+            cam::UcxOptions o;
+            o.rank = rank;
+            o.size = size;
+            o.timeout = config.timeout;
+            o.liveness_interval_ms = config.liveness_interval_ms;
+            o.spin_us = config.spin_us;
+            o.group_desc = group_desc;
+            o.names = names;
+            return c10::make_intrusive<cam::OneSidedBackend>(std::make_unique<cam::UcxTransport>(store, o));
+          },
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
+          py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>())
+#endif
+      ;
 #ifdef CAM_HAVE_UCX
   m.attr("ucx_version") = cam::ucx_version();
-  py::class_<cam::UcxBackend, c10d::Backend, c10::intrusive_ptr<cam::UcxBackend>>(
-      m, "UcxBackend", "The inter-host engine of a spanning group: one-sided put/get/atomics over UCX")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
-                       const std::map<std::string, std::string>& options, const std::string& group_desc,
-                       const std::vector<std::string>& names) {
-             auto config = cam::CamConfig::from_map(options, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
-             config.validate(size);
-             return c10::make_intrusive<cam::UcxBackend>(store, rank, size, config, group_desc, names);
-           }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
-           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
 #else
   m.attr("ucx_version") = py::none();
 #endif

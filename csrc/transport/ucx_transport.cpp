@@ -119,7 +119,7 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   put_u64(record, uint64_t(window_));
   put_u64(record, address_len);
   record.insert(record.end(), reinterpret_cast<uint8_t*>(address), reinterpret_cast<uint8_t*>(address) + address_len);
-  const auto& rk = window_region_->packed_rkey();
+  const auto& rk = window_region_->packed_key();
   record.insert(record.end(), rk.begin(), rk.end());
   ucp_worker_release_address(worker_, address);
   store->set("ucx/" + std::to_string(opts_.rank), record);
@@ -199,12 +199,16 @@ UcxTransport::~UcxTransport() {
 
 // ---- operations ----
 
-std::unique_ptr<UcxRegion> UcxTransport::register_memory(void* base, size_t bytes) {
+std::unique_ptr<MemoryRegion> UcxTransport::register_memory(void* base, size_t bytes) {
   return std::make_unique<UcxRegion>(ctx_, base, bytes);
 }
 
-std::unique_ptr<UcxRemoteKey> UcxTransport::unpack_rkey(int peer, const void* packed) {
+std::unique_ptr<RemoteKey> UcxTransport::unpack_key(int peer, const void* packed) {
   return std::make_unique<UcxRemoteKey>(peers_.at(peer)->ep, packed);
+}
+
+void UcxTransport::get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) {
+  get(peer, dst, bytes, remote_addr, static_cast<const UcxRemoteKey&>(key).get());
 }
 
 void UcxTransport::track(void* status_ptr, int peer, const char* kind) {

@@ -29,6 +29,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "one_sided.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -57,14 +59,14 @@ struct UcxOptions {
 };
 
 // Registered local memory: what a peer needs to read or write it (its packed rkey).
-class UcxRegion {
+class UcxRegion : public MemoryRegion {
  public:
   UcxRegion(ucp_context_h ctx, void* base, size_t bytes);
-  ~UcxRegion();
+  ~UcxRegion() override;
   UcxRegion(const UcxRegion&) = delete;
   UcxRegion& operator=(const UcxRegion&) = delete;
   uint64_t address() const { return uint64_t(base_); }
-  const std::vector<uint8_t>& packed_rkey() const { return rkey_; }
+  const std::vector<uint8_t>& packed_key() const override { return rkey_; }
 
  private:
   ucp_context_h ctx_;
@@ -74,10 +76,10 @@ class UcxRegion {
 };
 
 // A peer's rkey, unpacked on the endpoint to that peer.
-class UcxRemoteKey {
+class UcxRemoteKey : public RemoteKey {
  public:
   UcxRemoteKey(ucp_ep_h ep, const void* packed);
-  ~UcxRemoteKey();
+  ~UcxRemoteKey() override;
   UcxRemoteKey(const UcxRemoteKey&) = delete;
   UcxRemoteKey& operator=(const UcxRemoteKey&) = delete;
   ucp_rkey_h get() const { return rkey_; }
@@ -86,46 +88,38 @@ class UcxRemoteKey {
   ucp_rkey_h rkey_ = nullptr;
 };
 
-class UcxTransport {
+class UcxTransport : public OneSidedTransport {
  public:
-  static constexpr size_t kSlotBytes = 17 << 10;
-
   UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts);
-  ~UcxTransport();
+  ~UcxTransport() override;
   UcxTransport(const UcxTransport&) = delete;
   UcxTransport& operator=(const UcxTransport&) = delete;
 
-  int rank() const { return opts_.rank; }
-  int size() const { return opts_.size; }
+  std::string name() const override { return "ucx"; }
+  int rank() const override { return opts_.rank; }
+  int size() const override { return opts_.size; }
   const UcxOptions& options() const { return opts_; }
-  // The interrupt hook, called every liveness interval inside waits; it may throw.
-  void set_interrupt(std::function<void()> hook) { interrupt_ = std::move(hook); }
+  void set_interrupt(std::function<void()> hook) override { interrupt_ = std::move(hook); }
 
-  std::unique_ptr<UcxRegion> register_memory(void* base, size_t bytes);
-  std::unique_ptr<UcxRemoteKey> unpack_rkey(int peer, const void* packed);
+  std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) override;
+  std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) override;
+  void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
+  void post(int peer, const void* bytes, size_t n) override;
+  void signal_done(int peer) override;
+  void complete(const std::string& what) override;
+  uint64_t posted(int from) const override;
+  uint64_t done(int from) const override;
+  const uint8_t* slot(int from) const override;
+  // Progresses the worker until ready() holds; `peer` is the rank waited on (-1: several).
+  void wait_until(const std::function<bool()>& ready, const std::string& what, int peer) override;
+  [[noreturn]] void raise(const std::string& what, const std::string& why) const override;
 
-  // One-sided operations, non-blocking: the buffers must stay valid until complete().
+  // UCX's own operations on a peer's registered memory, non-blocking (complete() waits):
+  // post() is put + fence + add on the control window.
   void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
   void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
   void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
   void fence();
-  void complete(const std::string& what);
-
-  // The control window. post() puts `bytes` (at most kSlotBytes) into this rank's slot at
-  // `peer`, fenced before the add on the peer's posted[rank]. signal_done() adds one to the
-  // peer's done[rank].
-  void post(int peer, const void* bytes, size_t n);
-  void signal_done(int peer);
-  uint64_t posted(int from) const;
-  uint64_t done(int from) const;
-  const uint8_t* slot(int from) const;
-
-  // Progresses the worker until ready() holds; `what` names the op, `peer` the rank waited on
-  // (-1: several), for the messages of a timeout or a failed endpoint.
-  void wait_until(const std::function<bool()>& ready, const std::string& what, int peer);
-
-  // Every transport error reads "<what> on rank r of group G: <why>".
-  [[noreturn]] void raise(const std::string& what, const std::string& why) const;
 
  private:
   struct Peer;

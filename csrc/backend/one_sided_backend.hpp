@@ -1,6 +1,7 @@
-// UcxBackend: the inter-host engine of a group that spans hosts, over UcxTransport's one-sided
-// operations (the HierarchicalBackend's rail, leaders and all-ranks collectives; gloo remains the
-// engine where this build has no UCX, and for point-to-point).
+// OneSidedBackend: the inter-host engine of a group that spans hosts, written against
+// OneSidedTransport's operations (UcxTransport between hosts; LoopbackTransport in tests): the
+// HierarchicalBackend's rail, leaders and all-ranks collectives. gloo remains the engine where
+// this build has no UCX, and for point-to-point.
 //
 // Every collective is built on one exchange: each rank registers what it sends, puts a
 // descriptor (address, length, rkey) into each reader's control slot and announces it with an
@@ -23,21 +24,22 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "../core/config.hpp"
-#include "../transport/ucx_transport.hpp"
+#include <memory>
+
+#include "../transport/one_sided.hpp"
 
 namespace cam {
 
-class UcxBackend : public c10d::Backend {
+class OneSidedBackend : public c10d::Backend {
  public:
   static constexpr int64_t kOneShotMaxBytes = 64 << 10;
   static constexpr size_t kEagerBytes = 16 << 10;
 
-  UcxBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const CamConfig& config,
-             std::string group_desc, std::vector<std::string> names);
+  explicit OneSidedBackend(std::unique_ptr<OneSidedTransport> transport);
 
-  const std::string getBackendName() const override { return "cam-ucx"; }
-  void set_interrupt(std::function<void()> hook) { t_.set_interrupt(std::move(hook)); }
+  // "cam-ucx" or "cam-loopback".
+  const std::string getBackendName() const override { return "cam-" + t_->name(); }
+  void set_interrupt(std::function<void()> hook) { t_->set_interrupt(std::move(hook)); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -71,7 +73,7 @@ class UcxBackend : public c10d::Backend {
   void allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op);
   std::string op_name(const char* op) const;
 
-  UcxTransport t_;
+  std::unique_ptr<OneSidedTransport> t_;
   uint64_t seq_ = 0;
   std::vector<uint64_t> consumed_;  // descriptors read from each peer
   std::vector<uint64_t> readers_;   // exchanges in which each peer read this rank's memory

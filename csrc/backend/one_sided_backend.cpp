@@ -1,4 +1,4 @@
-#include "ucx_backend.hpp"
+#include "one_sided_backend.hpp"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -21,7 +21,7 @@ struct Descriptor {
   uint32_t eager;  // 1: the block's bytes follow instead of an rkey
   // rkey_bytes of packed rkey, or `bytes` of data, follow
 };
-static_assert(sizeof(Descriptor) + UcxBackend::kEagerBytes <= UcxTransport::kSlotBytes);
+static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes <= OneSidedTransport::kSlotBytes);
 
 // An op that finished on the calling thread.
 class DoneWork : public c10d::Work {
@@ -45,19 +45,6 @@ c10::intrusive_ptr<c10d::Work> done(int rank, c10d::OpType type, std::vector<at:
   return c10::make_intrusive<DoneWork>(rank, type, std::move(outputs));
 }
 
-UcxOptions transport_options(int rank, int size, const CamConfig& c, std::string desc,
-                             std::vector<std::string> names) {
-  UcxOptions o;
-  o.rank = rank;
-  o.size = size;
-  o.timeout = c.timeout;
-  o.liveness_interval_ms = c.liveness_interval_ms;
-  o.spin_us = c.spin_us;
-  o.group_desc = std::move(desc);
-  o.names = std::move(names);
-  return o;
-}
-
 void check_dense(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
 }
@@ -72,85 +59,84 @@ std::vector<int64_t> row_offsets(const std::vector<int64_t>& splits, int64_t row
 
 }  // namespace
 
-UcxBackend::UcxBackend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const CamConfig& config,
-                       std::string group_desc, std::vector<std::string> names)
-    : c10d::Backend(rank, size),
-      t_(std::move(store), transport_options(rank, size, config, std::move(group_desc), std::move(names))),
-      consumed_(size, 0),
-      readers_(size, 0) {}
+OneSidedBackend::OneSidedBackend(std::unique_ptr<OneSidedTransport> transport)
+    : c10d::Backend(transport->rank(), transport->size()),
+      t_(std::move(transport)),
+      consumed_(size_, 0),
+      readers_(size_, 0) {}
 
-std::string UcxBackend::op_name(const char* op) const { return str("cam UCX ", op, " (seq ", seq_, ")"); }
+std::string OneSidedBackend::op_name(const char* op) const { return str("cam ", t_->name(), " ", op, " (seq ", seq_, ")"); }
 
-void UcxBackend::exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
+void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
                           const std::vector<Block>& recvs) {
   const int me = rank_;
   const uint64_t seq = seq_;
   const auto eager = [](const Block& b) { return b.bytes <= kEagerBytes; };
-  std::unique_ptr<UcxRegion> region;
+  std::unique_ptr<MemoryRegion> region;
   bool any_get = false;
   for (int p = 0; p < size_; ++p) any_get |= p != me && sends[p].present && !eager(sends[p]);
   if (any_get) {
     TORCH_INTERNAL_ASSERT(send_region, what, ": a block to be read needs its registered tensor");
-    region = t_.register_memory(send_region->data_ptr(), send_region->nbytes());
+    region = t_->register_memory(send_region->data_ptr(), send_region->nbytes());
   }
   std::vector<uint8_t> desc;
   for (int p = 0; p < size_; ++p) {
     if (p == me || !sends[p].present) continue;
     const bool inline_data = eager(sends[p]);
-    const size_t tail = inline_data ? sends[p].bytes : region->packed_rkey().size();
+    const size_t tail = inline_data ? sends[p].bytes : region->packed_key().size();
     desc.assign(sizeof(Descriptor) + tail, 0);
     Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, uint32_t(inline_data ? 0 : tail), inline_data};
     std::memcpy(desc.data(), &d, sizeof d);
-    if (tail) std::memcpy(desc.data() + sizeof d, inline_data ? sends[p].ptr : region->packed_rkey().data(), tail);
-    t_.post(p, desc.data(), desc.size());
+    if (tail) std::memcpy(desc.data() + sizeof d, inline_data ? sends[p].ptr : region->packed_key().data(), tail);
+    t_->post(p, desc.data(), desc.size());
     ++readers_[p];
   }
   // Read every source as its descriptor arrives.
-  std::vector<std::unique_ptr<UcxRemoteKey>> keys;
+  std::vector<std::unique_ptr<RemoteKey>> keys;
   std::vector<bool> waiting(size_, false);
   int left = 0;
   for (int p = 0; p < size_; ++p)
     if (p != me && recvs[p].present) waiting[p] = true, ++left;
-  t_.wait_until(
+  t_->wait_until(
       [&] {
         for (int p = 0; p < size_ && left > 0; ++p) {
-          if (!waiting[p] || t_.posted(p) == consumed_[p]) continue;
+          if (!waiting[p] || t_->posted(p) == consumed_[p]) continue;
           ++consumed_[p];
           waiting[p] = false;
           --left;
           Descriptor d;
-          std::memcpy(&d, t_.slot(p), sizeof d);
+          std::memcpy(&d, t_->slot(p), sizeof d);
           if (d.seq != seq)
-            t_.raise(what, str("rank ", p, " is in inter-host op seq ", d.seq, ", this rank in seq ", seq,
+            t_->raise(what, str("rank ", p, " is in inter-host op seq ", d.seq, ", this rank in seq ", seq,
                                " (the ranks issued different collectives)"));
           if (d.bytes != recvs[p].bytes)
-            t_.raise(what, str("rank ", p, " sends ", d.bytes, " bytes, this rank expects ", recvs[p].bytes));
+            t_->raise(what, str("rank ", p, " sends ", d.bytes, " bytes, this rank expects ", recvs[p].bytes));
           if (d.bytes == 0) continue;
           if (d.eager) {
-            std::memcpy(recvs[p].ptr, t_.slot(p) + sizeof d, d.bytes);
+            std::memcpy(recvs[p].ptr, t_->slot(p) + sizeof d, d.bytes);
             continue;
           }
-          keys.push_back(t_.unpack_rkey(p, t_.slot(p) + sizeof d));
-          t_.get(p, recvs[p].ptr, d.bytes, d.addr, keys.back()->get());
+          keys.push_back(t_->unpack_key(p, t_->slot(p) + sizeof d));
+          t_->get(p, recvs[p].ptr, d.bytes, d.addr, *keys.back());
         }
         return left == 0;
       },
       what, -1);
-  t_.complete(what);
+  t_->complete(what);
   keys.clear();
   for (int p = 0; p < size_; ++p)
-    if (p != me && recvs[p].present) t_.signal_done(p);
-  t_.wait_until(
+    if (p != me && recvs[p].present) t_->signal_done(p);
+  t_->wait_until(
       [&] {
         for (int p = 0; p < size_; ++p)
-          if (p != me && t_.done(p) < readers_[p]) return false;
+          if (p != me && t_->done(p) < readers_[p]) return false;
         return true;
       },
       what + " (waiting for its readers)", -1);
-  t_.complete(what);
+  t_->complete(what);
 }
 
-void UcxBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op) {
+void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op) {
   const std::string what = op_name("all_reduce");
   const kernels::RedOp red = red_op_of(op);
   const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
@@ -194,20 +180,20 @@ void UcxBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op) {
   exchange(what + " all-gather", &t, sends, recvs);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::allreduce(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   for (const auto& t : tensors) {
-    check_dense(t, "cam UCX all_reduce");
+    check_dense(t, "cam inter-host all_reduce");
     ++seq_;
     allreduce_one(t, opts.reduceOp);
   }
   return done(rank_, c10d::OpType::ALLREDUCE, tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  TORCH_CHECK(tensors.size() == 1, "cam UCX reduce takes one tensor");
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1, "cam inter-host reduce takes one tensor");
   const at::Tensor& t = tensors[0];
-  check_dense(t, "cam UCX reduce");
+  check_dense(t, "cam inter-host reduce");
   ++seq_;
   const std::string what = op_name("reduce");
   const kernels::RedOp red = red_op_of(opts.reduceOp);
@@ -231,11 +217,11 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::reduce(std::vector<at::Tensor>& tenso
   return done(rank_, c10d::OpType::REDUCE, tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::broadcast(std::vector<at::Tensor>& tensors,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
   const int root = int(opts.rootRank);
   for (const auto& t : tensors) {
-    check_dense(t, "cam UCX broadcast");
+    check_dense(t, "cam inter-host broadcast");
     ++seq_;
     std::vector<Block> sends(size_), recvs(size_);
     for (int p = 0; p < size_; ++p) {
@@ -247,12 +233,12 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::broadcast(std::vector<at::Tensor>& te
   return done(rank_, c10d::OpType::BROADCAST, tensors);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                          std::vector<int64_t>& output_splits,
                                                          std::vector<int64_t>& input_splits,
                                                          const c10d::AllToAllOptions&) {
-  check_dense(input, "cam UCX all_to_all");
-  check_dense(output, "cam UCX all_to_all");
+  check_dense(input, "cam inter-host all_to_all");
+  check_dense(output, "cam inter-host all_to_all");
   ++seq_;
   const int64_t in_rows = input.dim() ? input.size(0) : 1;
   const int64_t out_rows = output.dim() ? output.size(0) : 1;
@@ -276,9 +262,9 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall_base(at::Tensor& output, at:
   return done(rank_, c10d::OpType::ALLTOALL_BASE, {output});
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
-  TORCH_CHECK(int(outputs.size()) == size_ && int(inputs.size()) == size_, "cam UCX all_to_all takes ", size_,
+  TORCH_CHECK(int(outputs.size()) == size_ && int(inputs.size()) == size_, "cam inter-host all_to_all takes ", size_,
               " tensors each way");
   std::vector<at::Tensor> flat_in;
   std::vector<int64_t> in_splits, out_splits;
@@ -300,16 +286,16 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::alltoall(std::vector<at::Tensor>& out
   return done(rank_, c10d::OpType::ALLTOALL, outputs);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  TORCH_CHECK(inputs.size() == 1, "cam UCX gather takes one input tensor");
+  TORCH_CHECK(inputs.size() == 1, "cam inter-host gather takes one input tensor");
   const at::Tensor in = inputs[0].contiguous();
   const int root = int(opts.rootRank);
   ++seq_;
   std::vector<Block> sends(size_), recvs(size_);
   std::vector<at::Tensor> dense(size_);
   if (rank_ == root) {
-    TORCH_CHECK(outputs.size() == 1 && int(outputs[0].size()) == size_, "cam UCX gather: the root takes ", size_,
+    TORCH_CHECK(outputs.size() == 1 && int(outputs[0].size()) == size_, "cam inter-host gather: the root takes ", size_,
                 " output tensors");
     for (int p = 0; p < size_; ++p) {
       dense[p] = outputs[0][p].is_contiguous() ? outputs[0][p] : at::empty_like(outputs[0][p], at::MemoryFormat::Contiguous);
@@ -327,17 +313,17 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::gather(std::vector<std::vector<at::Te
   return done(rank_, c10d::OpType::GATHER, rank_ == root ? outputs[0] : std::vector<at::Tensor>{});
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::scatter(std::vector<at::Tensor>& outputs,
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
-  TORCH_CHECK(outputs.size() == 1, "cam UCX scatter takes one output tensor");
+  TORCH_CHECK(outputs.size() == 1, "cam inter-host scatter takes one output tensor");
   at::Tensor out = outputs[0].is_contiguous() ? outputs[0] : at::empty_like(outputs[0], at::MemoryFormat::Contiguous);
   const int root = int(opts.rootRank);
   ++seq_;
   std::vector<Block> sends(size_), recvs(size_);
   at::Tensor flat;
   if (rank_ == root) {
-    TORCH_CHECK(inputs.size() == 1 && int(inputs[0].size()) == size_, "cam UCX scatter: the root takes ", size_,
+    TORCH_CHECK(inputs.size() == 1 && int(inputs[0].size()) == size_, "cam inter-host scatter: the root takes ", size_,
                 " input tensors");
     std::vector<at::Tensor> parts;
     for (const auto& x : inputs[0]) parts.push_back(x.reshape(-1));
@@ -357,7 +343,7 @@ c10::intrusive_ptr<c10d::Work> UcxBackend::scatter(std::vector<at::Tensor>& outp
   return done(rank_, c10d::OpType::SCATTER, outputs);
 }
 
-c10::intrusive_ptr<c10d::Work> UcxBackend::barrier(const c10d::BarrierOptions&) {
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::barrier(const c10d::BarrierOptions&) {
   ++seq_;
   std::vector<Block> all(size_, Block{true, nullptr, 0});
   exchange(op_name("barrier"), nullptr, all, all);

@@ -1,0 +1,65 @@
+// OneSidedTransport: the operations an algorithm between hosts is written against, so that it
+// never sees how bytes travel (UcxTransport over UCX; LoopbackTransport, ranks as threads of one
+// process, for tests with injected faults).
+//
+// Contract:
+//   - Each rank owns a control window that peers write: posted[q] and done[q] (64-bit counters
+//     peer q adds to) and slot[q] (kSlotBytes peer q writes with post()).
+//   - register_memory() makes local memory readable by peers; its packed key travels inside a
+//     descriptor and unpack_key() turns it into the key get() needs.
+//   - get() and post() are non-blocking; complete() waits for every one issued so far. post()
+//     puts bytes into this rank's slot at the peer and then adds one to the peer's posted[rank],
+//     ordered so that a peer that sees the count sees the bytes. signal_done() adds one to the
+//     peer's done[rank].
+//   - wait_until() drives the transport until the predicate holds; it raises FatalError at the
+//     group's deadline, when a peer is gone, or when the interrupt hook (called every liveness
+//     interval, and before a peer's loss is reported) throws.
+//   - Every error reads "<what> on rank r of group G: <why>" (raise()).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cam {
+
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;
+  virtual const std::vector<uint8_t>& packed_key() const = 0;
+};
+
+class RemoteKey {
+ public:
+  virtual ~RemoteKey() = default;
+};
+
+class OneSidedTransport {
+ public:
+  static constexpr size_t kSlotBytes = 17 << 10;
+
+  virtual ~OneSidedTransport() = default;
+  virtual std::string name() const = 0;  // "ucx", "loopback": for messages
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void set_interrupt(std::function<void()> hook) = 0;
+
+  virtual std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) = 0;
+  virtual std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) = 0;
+  virtual void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) = 0;
+  virtual void post(int peer, const void* bytes, size_t n) = 0;
+  virtual void signal_done(int peer) = 0;
+  virtual void complete(const std::string& what) = 0;
+
+  virtual uint64_t posted(int from) const = 0;
+  virtual uint64_t done(int from) const = 0;
+  virtual const uint8_t* slot(int from) const = 0;
+
+  virtual void wait_until(const std::function<bool()>& ready, const std::string& what, int peer) = 0;
+  [[noreturn]] virtual void raise(const std::string& what, const std::string& why) const = 0;
+};
+
+}  // namespace cam
