@@ -168,6 +168,24 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
         for s in range(world):
             self.assertTrue(torch.equal(results[1]["gather"][0][s], torch.full((5,), float(s))))
 
+    def test_bad_arguments_raise_before_any_byte_moves(self):
+        # Checked on the calling rank before anything is posted (in a spanning group the failure
+        # key then fails its peers); none may read or write outside the tensors.
+        fabric = torch_cam._C.LoopbackFabric(2, TIMEOUT_S)
+        b = torch_cam._C.OneSidedBackend.over_loopback(fabric, 0)
+        x, out = torch.ones(4), torch.empty(4)
+        for splits, why in (([3, 3], "Split sizes"), ([5, -1], "negative"), ([4], "Number of tensor splits")):
+            with self.assertRaisesRegex(RuntimeError, why):
+                b.alltoall_base(out, x, [2, 2], splits, dist.AllToAllOptions())
+        o = dist.BroadcastOptions()
+        o.rootRank = 2
+        with self.assertRaisesRegex(RuntimeError, "root 2 is not a rank of the group"):
+            b.broadcast([x], o)
+        r = dist.ReduceOptions()
+        r.rootRank = -1
+        with self.assertRaisesRegex(RuntimeError, "root -1 is not a rank of the group"):
+            b.reduce([x], r)
+
     # ---- faults ----
 
     def test_a_rank_that_stops_makes_the_others_raise_at_the_deadline(self):

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Utils.hpp>
 
 #include <cstring>
 
@@ -17,9 +18,8 @@ struct Descriptor {
   uint64_t seq;
   uint64_t addr;
   uint64_t bytes;
-  uint32_t rkey_bytes;
-  uint32_t eager;  // 1: the block's bytes follow instead of an rkey
-  // rkey_bytes of packed rkey, or `bytes` of data, follow
+  uint32_t eager;  // 1: the block's bytes follow; 0: the packed rkey follows
+  uint32_t pad;
 };
 static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes <= OneSidedTransport::kSlotBytes);
 
@@ -49,6 +49,13 @@ void check_dense(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
 }
 
+std::string ranks_where(const std::vector<bool>& which) {
+  std::string out;
+  for (size_t p = 0; p < which.size(); ++p)
+    if (which[p]) out += str(out.empty() ? "" : ", ", p);
+  return out;
+}
+
 std::vector<int64_t> row_offsets(const std::vector<int64_t>& splits, int64_t rows, int size, std::vector<int64_t>& out) {
   out = splits;
   if (out.empty()) out.assign(size, rows / size);
@@ -64,6 +71,11 @@ OneSidedBackend::OneSidedBackend(std::unique_ptr<OneSidedTransport> transport)
       t_(std::move(transport)),
       consumed_(size_, 0),
       readers_(size_, 0) {}
+
+int OneSidedBackend::root_of(int64_t root, const char* op) const {
+  TORCH_CHECK(root >= 0 && root < size_, op_name(op), ": root ", root, " is not a rank of the group (size ", size_, ")");
+  return int(root);
+}
 
 std::string OneSidedBackend::op_name(const char* op) const { return str("cam ", t_->name(), " ", op, " (seq ", seq_, ")"); }
 
@@ -85,10 +97,10 @@ void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_r
     const bool inline_data = eager(sends[p]);
     const size_t tail = inline_data ? sends[p].bytes : region->packed_key().size();
     desc.assign(sizeof(Descriptor) + tail, 0);
-    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, uint32_t(inline_data ? 0 : tail), inline_data};
+    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, inline_data, 0};
     std::memcpy(desc.data(), &d, sizeof d);
     if (tail) std::memcpy(desc.data() + sizeof d, inline_data ? sends[p].ptr : region->packed_key().data(), tail);
-    t_->post(p, desc.data(), desc.size());
+    t_->post(p, std::move(desc));
     ++readers_[p];
   }
   // Read every source as its descriptor arrives.
@@ -121,7 +133,7 @@ void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_r
         }
         return left == 0;
       },
-      what, -1);
+      what, [&] { return "the blocks of ranks " + ranks_where(waiting); });
   t_->complete(what);
   keys.clear();
   for (int p = 0; p < size_; ++p)
@@ -132,7 +144,11 @@ void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_r
           if (p != me && t_->done(p) < readers_[p]) return false;
         return true;
       },
-      what + " (waiting for its readers)", -1);
+      what, [&] {
+        std::vector<bool> reading(size_, false);
+        for (int p = 0; p < size_; ++p) reading[p] = p != me && t_->done(p) < readers_[p];
+        return "ranks " + ranks_where(reading) + " to finish reading this rank's blocks";
+      });
   t_->complete(what);
 }
 
@@ -199,7 +215,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   const kernels::RedOp red = red_op_of(opts.reduceOp);
   const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
   TORCH_CHECK(*why == 0, what, ": cannot reduce ", t.scalar_type(), " with ", kernels::red_op_name(red), ": ", why);
-  const int root = int(opts.rootRank);
+  const int root = root_of(opts.rootRank, "reduce");
   std::vector<Block> sends(size_), recvs(size_);
   at::Tensor all;
   std::vector<const void*> srcs(size_);
@@ -219,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
-  const int root = int(opts.rootRank);
+  const int root = root_of(opts.rootRank, "broadcast");
   for (const auto& t : tensors) {
     check_dense(t, "cam inter-host broadcast");
     ++seq_;
@@ -244,6 +260,12 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output
   const int64_t out_rows = output.dim() ? output.size(0) : 1;
   const size_t in_row = in_rows ? input.nbytes() / in_rows : 0;
   const size_t out_row = out_rows ? output.nbytes() / out_rows : 0;
+  // c10d's own check (count and sum of the splits), plus signs: a bad split would address
+  // memory outside the tensors.
+  c10d::checkSplitSizes(input_splits, input, size_);
+  c10d::checkSplitSizes(output_splits, output, size_);
+  for (const auto* splits : {&input_splits, &output_splits})
+    for (int64_t v : *splits) TORCH_CHECK(v >= 0, op_name("all_to_all"), ": a split of ", v, " rows is negative");
   std::vector<int64_t> is, os;
   const auto in_off = row_offsets(input_splits, in_rows, size_, is);
   const auto out_off = row_offsets(output_splits, out_rows, size_, os);
@@ -290,7 +312,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<a
                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   TORCH_CHECK(inputs.size() == 1, "cam inter-host gather takes one input tensor");
   const at::Tensor in = inputs[0].contiguous();
-  const int root = int(opts.rootRank);
+  const int root = root_of(opts.rootRank, "gather");
   ++seq_;
   std::vector<Block> sends(size_), recvs(size_);
   std::vector<at::Tensor> dense(size_);
@@ -318,7 +340,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>&
                                                    const c10d::ScatterOptions& opts) {
   TORCH_CHECK(outputs.size() == 1, "cam inter-host scatter takes one output tensor");
   at::Tensor out = outputs[0].is_contiguous() ? outputs[0] : at::empty_like(outputs[0], at::MemoryFormat::Contiguous);
-  const int root = int(opts.rootRank);
+  const int root = root_of(opts.rootRank, "scatter");
   ++seq_;
   std::vector<Block> sends(size_), recvs(size_);
   at::Tensor flat;

@@ -72,6 +72,7 @@ class OneSidedBackend : public c10d::Backend {
                 const std::vector<Block>& recvs);
   void allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op);
   std::string op_name(const char* op) const;
+  int root_of(int64_t root, const char* op) const;  // raises unless root is a rank of the group
 
   std::unique_ptr<OneSidedTransport> t_;
   uint64_t seq_ = 0;

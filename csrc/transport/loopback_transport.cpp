@@ -48,12 +48,13 @@ void LoopbackTransport::get(int peer, void* dst, size_t bytes, uint64_t remote_a
   std::memcpy(dst, reinterpret_cast<const void*>(remote_addr), bytes);
 }
 
-void LoopbackTransport::post(int peer, const void* bytes, size_t n) {
-  if (n > kSlotBytes) raise("cam loopback post", str("a descriptor of ", n, " bytes exceeds the slot of ", kSlotBytes));
+void LoopbackTransport::post(int peer, std::vector<uint8_t> bytes) {
+  if (bytes.size() > kSlotBytes)
+    raise("cam loopback post", str("a descriptor of ", bytes.size(), " bytes exceeds the slot of ", kSlotBytes));
   if (fabric_->failing_posts() == peer)
     raise("cam loopback post", str("the put to rank ", peer, " failed (injected fault)"));
   auto& w = fabric_->window(peer);
-  std::memcpy(w.slots.data() + size_t(rank_) * kSlotBytes, bytes, n);
+  std::memcpy(w.slots.data() + size_t(rank_) * kSlotBytes, bytes.data(), bytes.size());
   w.posted[rank_].fetch_add(1, std::memory_order_release);
 }
 
@@ -73,28 +74,13 @@ const uint8_t* LoopbackTransport::slot(int from) const {
   return fabric_->window(rank_).slots.data() + size_t(from) * kSlotBytes;
 }
 
-void LoopbackTransport::wait_until(const std::function<bool()>& ready, const std::string& what, int peer) {
-  using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  const auto deadline = start + fabric_->timeout();
-  auto next_interrupt = start + std::chrono::milliseconds(50);
-  while (!ready()) {
-    for (int q = 0; q < size(); ++q) {
-      if (q == rank_ || !fabric_->dead(q)) continue;
-      if (interrupt_) interrupt_();
-      raise(what, str("rank ", q, " is gone (marked dead)"));
-    }
-    const auto now = clock::now();
-    if (now >= next_interrupt) {
-      next_interrupt = now + std::chrono::milliseconds(50);
-      if (interrupt_) interrupt_();
-    }
-    if (now >= deadline)
-      raise(what, str("timeout after ", fabric_->timeout().count(), " ms",
-                      peer >= 0 ? str(" waiting on rank ", peer) : std::string()));
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+std::string LoopbackTransport::lost_peer() const {
+  for (int q = 0; q < size(); ++q)
+    if (q != rank_ && fabric_->dead(q)) return str("rank ", q, " is gone (marked dead)");
+  return {};
 }
+
+void LoopbackTransport::idle(std::chrono::nanoseconds) { std::this_thread::sleep_for(std::chrono::microseconds(20)); }
 
 void LoopbackTransport::raise(const std::string& what, const std::string& why) const {
   throw FatalError(str(what, " on rank ", rank_, " of a loopback fabric: ", why));

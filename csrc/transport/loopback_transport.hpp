@@ -48,24 +48,28 @@ class LoopbackTransport : public OneSidedTransport {
   std::string name() const override { return "loopback"; }
   int rank() const override { return rank_; }
   int size() const override { return fabric_->size(); }
-  void set_interrupt(std::function<void()> hook) override { interrupt_ = std::move(hook); }
 
   std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) override;
   std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) override;
   void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
-  void post(int peer, const void* bytes, size_t n) override;
+  void post(int peer, std::vector<uint8_t> bytes) override;
   void signal_done(int peer) override;
   void complete(const std::string&) override {}
   uint64_t posted(int from) const override;
   uint64_t done(int from) const override;
   const uint8_t* slot(int from) const override;
-  void wait_until(const std::function<bool()>& ready, const std::string& what, int peer) override;
   [[noreturn]] void raise(const std::string& what, const std::string& why) const override;
+
+ protected:
+  std::chrono::milliseconds timeout() const override { return fabric_->timeout(); }
+  std::chrono::milliseconds liveness_interval() const override { return std::chrono::milliseconds(50); }
+  bool progress() override { return false; }  // every operation completes when issued
+  std::string lost_peer() const override;
+  void idle(std::chrono::nanoseconds) override;  // a short sleep: the peers are threads here
 
  private:
   std::shared_ptr<LoopbackFabric> fabric_;
   int rank_;
-  std::function<void()> interrupt_;
 };
 
 }  // namespace cam

@@ -8,15 +8,18 @@
 //   - register_memory() makes local memory readable by peers; its packed key travels inside a
 //     descriptor and unpack_key() turns it into the key get() needs.
 //   - get() and post() are non-blocking; complete() waits for every one issued so far. post()
-//     puts bytes into this rank's slot at the peer and then adds one to the peer's posted[rank],
-//     ordered so that a peer that sees the count sees the bytes. signal_done() adds one to the
-//     peer's done[rank].
-//   - wait_until() drives the transport until the predicate holds; it raises FatalError at the
-//     group's deadline, when a peer is gone, or when the interrupt hook (called every liveness
-//     interval, and before a peer's loss is reported) throws.
+//     puts bytes into this rank's slot at the peer (the transport keeps them until complete())
+//     and then adds one to the peer's posted[rank], ordered so that a peer that sees the count
+//     sees the bytes. signal_done() adds one to the peer's done[rank].
+//   - wait_until() is the one wait of every transport: it drives progress() until the predicate
+//     holds and raises FatalError at the deadline (naming what it waited for), when lost_peer()
+//     reports a peer gone, or when the interrupt hook (called every liveness interval, and
+//     before a peer's loss is reported, so that a cause published first wins) throws. Between
+//     passes that made no progress it calls idle(): each transport's way not to burn a core.
 //   - Every error reads "<what> on rank r of group G: <why>" (raise()).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -45,12 +48,12 @@ class OneSidedTransport {
   virtual std::string name() const = 0;  // "ucx", "loopback": for messages
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual void set_interrupt(std::function<void()> hook) = 0;
+  void set_interrupt(std::function<void()> hook) { interrupt_ = std::move(hook); }
 
   virtual std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) = 0;
   virtual std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) = 0;
   virtual void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) = 0;
-  virtual void post(int peer, const void* bytes, size_t n) = 0;
+  virtual void post(int peer, std::vector<uint8_t> bytes) = 0;
   virtual void signal_done(int peer) = 0;
   virtual void complete(const std::string& what) = 0;
 
@@ -58,8 +61,20 @@ class OneSidedTransport {
   virtual uint64_t done(int from) const = 0;
   virtual const uint8_t* slot(int from) const = 0;
 
-  virtual void wait_until(const std::function<bool()>& ready, const std::string& what, int peer) = 0;
+  // `waiting_for` (may be empty) says, for the timeout's message, what has not arrived.
+  void wait_until(const std::function<bool()>& ready, const std::string& what,
+                  const std::function<std::string()>& waiting_for = {});
   [[noreturn]] virtual void raise(const std::string& what, const std::string& why) const = 0;
+
+ protected:
+  virtual std::chrono::milliseconds timeout() const = 0;
+  virtual std::chrono::milliseconds liveness_interval() const = 0;
+  virtual bool progress() = 0;                 // true: something moved
+  virtual std::string lost_peer() const = 0;   // why a peer is gone; empty while all are there
+  virtual void idle(std::chrono::nanoseconds waited) = 0;
+
+ private:
+  std::function<void()> interrupt_;
 };
 
 }  // namespace cam

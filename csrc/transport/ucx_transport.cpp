@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <thread>
 
 #include "../core/errors.hpp"
 
@@ -30,7 +29,6 @@ size_t slots_offset(int size) { return (size_t(16) * size + 63) / 64 * 64; }
 }  // namespace
 
 struct UcxTransport::Peer {
-  UcxTransport* owner = nullptr;
   int rank = 0;
   ucp_ep_h ep = nullptr;
   uint64_t window = 0;                  // its control window's address
@@ -128,7 +126,6 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   for (int q = 0; q < n; ++q) {
     if (q == opts_.rank) continue;
     auto p = std::make_unique<Peer>();
-    p->owner = this;
     p->rank = q;
     const std::vector<uint8_t> r = store->get("ucx/" + std::to_string(q));
     p->window = get_u64(r, 0);
@@ -167,7 +164,7 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
         last_check = now;
         return store->check(ready);
       },
-      what + " (waiting for every rank to connect)", -1);
+      what, [] { return std::string("every rank to connect"); });
 }
 
 UcxTransport::~UcxTransport() {
@@ -270,17 +267,19 @@ void UcxTransport::complete(const std::string& what) {
         operands_.clear();
         return true;
       },
-      what, -1);
+      what, [&] { return str(pending_.size(), " operations to complete"); });
 }
 
 // ---- the control window ----
 
-void UcxTransport::post(int peer, const void* bytes, size_t n) {
-  if (n > kSlotBytes) raise("cam UCX post", str("a descriptor of ", n, " bytes exceeds the slot of ", kSlotBytes));
+void UcxTransport::post(int peer, std::vector<uint8_t> bytes) {
+  if (bytes.size() > kSlotBytes)
+    raise("cam UCX post", str("a descriptor of ", bytes.size(), " bytes exceeds the slot of ", kSlotBytes));
   auto& box = outbox_[peer];
-  box.assign(static_cast<const uint8_t*>(bytes), static_cast<const uint8_t*>(bytes) + n);
+  box = std::move(bytes);  // the put's source, alive until complete()
   const Peer& p = *peers_[peer];
-  put(peer, box.data(), n, p.window + slots_offset(opts_.size) + size_t(opts_.rank) * kSlotBytes, p.rkey->get());
+  put(peer, box.data(), box.size(), p.window + slots_offset(opts_.size) + size_t(opts_.rank) * kSlotBytes,
+      p.rkey->get());
   fence();
   add(peer, p.window + 8 * size_t(opts_.rank), p.rkey->get(), 1);
 }
@@ -306,46 +305,21 @@ const uint8_t* UcxTransport::slot(int from) const {
 
 bool UcxTransport::progress() { return ucp_worker_progress(worker_) != 0; }
 
-void UcxTransport::sleep_on_worker(std::chrono::milliseconds at_most) {
+void UcxTransport::idle(std::chrono::nanoseconds waited) {
+  if (waited < std::chrono::microseconds(opts_.spin_us)) return;
   // arm() says BUSY when events are already queued: progress again instead of sleeping.
   if (ucp_worker_arm(worker_) != UCS_OK) return;
   pollfd pfd{efd_, POLLIN, 0};
-  ::poll(&pfd, 1, int(at_most.count()));
+  ::poll(&pfd, 1, 1);
 }
 
-void UcxTransport::check_peers(const std::string& what, int peer) const {
+std::string UcxTransport::lost_peer() const {
   for (const auto& p : peers_) {
     if (!p || p->failed == UCS_OK) continue;
-    // A peer that failed an op first and then closed its endpoints: its published cause is the
-    // real one, not the endpoint's error.
-    if (interrupt_) interrupt_();
-    raise(what, str("rank ", p->rank, " (", peer_name(p->rank), ") is unreachable: its UCX endpoint failed with \"",
-                    status_text(p->failed), "\" (the process died or its host is down)",
-                    peer >= 0 && peer != p->rank ? str("; waiting on rank ", peer) : std::string()));
+    return str("rank ", p->rank, " (", peer_name(p->rank), ") is unreachable: its UCX endpoint failed with \"",
+               status_text(p->failed), "\" (the process died or its host is down)");
   }
-}
-
-void UcxTransport::wait_until(const std::function<bool()>& ready, const std::string& what, int peer) {
-  using clock = std::chrono::steady_clock;
-  const auto start = clock::now();
-  const auto deadline = start + opts_.timeout;
-  const auto interval = std::chrono::milliseconds(opts_.liveness_interval_ms);
-  auto next_interrupt = start + interval;
-  const auto spin_until = start + std::chrono::microseconds(opts_.spin_us);
-  while (true) {
-    const bool moved = progress();
-    if (ready()) return;
-    check_peers(what, peer);
-    const auto now = clock::now();
-    if (now >= next_interrupt) {
-      next_interrupt = now + interval;
-      if (interrupt_) interrupt_();
-    }
-    if (now >= deadline)
-      raise(what, str("timeout after ", opts_.timeout.count(), " ms",
-                      peer >= 0 ? str(" waiting on rank ", peer, " (", peer_name(peer), ")") : std::string()));
-    if (!moved && now >= spin_until) sleep_on_worker(std::chrono::milliseconds(1));
-  }
+  return {};
 }
 
 std::string UcxTransport::peer_name(int peer) const {

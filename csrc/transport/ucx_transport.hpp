@@ -99,19 +99,16 @@ class UcxTransport : public OneSidedTransport {
   int rank() const override { return opts_.rank; }
   int size() const override { return opts_.size; }
   const UcxOptions& options() const { return opts_; }
-  void set_interrupt(std::function<void()> hook) override { interrupt_ = std::move(hook); }
 
   std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) override;
   std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) override;
   void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
-  void post(int peer, const void* bytes, size_t n) override;
+  void post(int peer, std::vector<uint8_t> bytes) override;
   void signal_done(int peer) override;
   void complete(const std::string& what) override;
   uint64_t posted(int from) const override;
   uint64_t done(int from) const override;
   const uint8_t* slot(int from) const override;
-  // Progresses the worker until ready() holds; `peer` is the rank waited on (-1: several).
-  void wait_until(const std::function<bool()>& ready, const std::string& what, int peer) override;
   [[noreturn]] void raise(const std::string& what, const std::string& why) const override;
 
   // UCX's own operations on a peer's registered memory, non-blocking (complete() waits):
@@ -121,17 +118,25 @@ class UcxTransport : public OneSidedTransport {
   void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
   void fence();
 
+ protected:
+  std::chrono::milliseconds timeout() const override { return opts_.timeout; }
+  std::chrono::milliseconds liveness_interval() const override {
+    return std::chrono::milliseconds(opts_.liveness_interval_ms);
+  }
+  // Progresses the worker (over TCP this also serves peers' reads of this rank's memory).
+  bool progress() override;
+  std::string lost_peer() const override;
+  // Spins for spin_us, then sleeps on the worker's event descriptor (woken by arriving traffic;
+  // at most 1 ms, for RDMA atomics that raise no event).
+  void idle(std::chrono::nanoseconds waited) override;
+
  private:
   struct Peer;
   struct Request;
   void track(void* status_ptr, int peer, const char* kind);
-  void check_peers(const std::string& what, int peer) const;
-  bool progress();
-  void sleep_on_worker(std::chrono::milliseconds at_most);
   std::string peer_name(int peer) const;
 
   UcxOptions opts_;
-  std::function<void()> interrupt_;
   ucp_context_h ctx_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
@@ -141,7 +146,7 @@ class UcxTransport : public OneSidedTransport {
   size_t window_bytes_ = 0;
   std::unique_ptr<UcxRegion> window_region_;
   std::vector<Request> pending_;
-  std::vector<std::vector<uint8_t>> outbox_;  // per peer: the descriptor being put
+  std::vector<std::vector<uint8_t>> outbox_;  // per peer: the bytes of its post() being put
   std::deque<uint64_t> operands_;            // the operands of the adds not yet complete
 };
 
