@@ -12,7 +12,10 @@ samples of the slowest rank, each sample from a barrier. "link" is the op's inte
 per direction (the least any algorithm must move: all_reduce 2(H-1)/H x S, all_gather
 (H-1) x L x S, reduce_scatter (H-1)/H x S, all_to_all L x S x (W-L)/W for S bytes per rank)
 over its time, beside the raw stream's. Small all_reduce is also timed on a cam group of one
-host's ranks, for the latency target (round trip x 2 + the single-host time).
+host's ranks, for the latency target (round trip x 2 + the single-host time). KV transfer:
+rank 0 (host 0) pushes a request of that many bytes (64 KiB blocks, one layer, the same layout
+on both sides) into rank 2 (host 1) until rank 2 has its notification, and rank 2 pulls one
+from rank 0; beside gloo send/recv of the same bytes between the same ranks.
 Results: benchmarks/results_multihost.md (written with --write).
 """
 from __future__ import annotations
@@ -151,6 +154,7 @@ def worker(args) -> None:
             if op == "all_reduce" and nbytes <= 4096:
                 row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
             rows.append(row)
+    rows += kv_rows(rank, gloo, args)
     raws = [None] * world
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
@@ -158,6 +162,59 @@ def worker(args) -> None:
             json.dump({"raw": raws[0], "rows": rows, "engine": engine}, f)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
+
+
+def kv_rows(rank: int, gloo, args) -> list[dict]:
+    """KV push and pull between host 0's rank 0 and host 1's rank 2 (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from _harness import timed_slowest
+    from torch_cam.kv import KVTransfer, KVLayout
+
+    src, dst = 0, PER_HOST
+    block = 64 << 10
+    rows = []
+    for nbytes in args.sizes:
+        if nbytes < block:
+            continue
+        nblocks = nbytes // block
+        lay = KVLayout("mha", 1, nblocks, block // (2 * 8 * 128 * 2), 8, 128, torch.bfloat16, "NHD")
+        kv = KVTransfer()
+        pools = kv.allocate(lay)
+        kv.register(pools, lay)
+        ids, tokens = list(range(nblocks)), nblocks * lay.block_size
+        kv.version(dst if rank == src else src)
+        seq = iter(range(1 << 30))
+
+        def push():
+            rid = b"p%d" % next(seq)
+            if rank == src:
+                kv.push(dst, ids, ids, tokens, request_id=rid)
+            elif rank == dst:
+                kv.wait_notification(rid, peer=src)
+
+        def pull():
+            rid = b"q%d" % next(seq)
+            if rank == dst:
+                kv.pull(src, ids, ids, tokens, request_id=rid)
+            elif rank == src:
+                kv.wait_notification(rid, peer=dst)
+
+        buf = pools[0].view(-1)
+
+        def gloo_p2p():
+            if rank == src:
+                dist.send(buf, dst, group=gloo)
+            elif rank == dst:
+                dist.recv(buf, src, group=gloo)
+
+        row = {"op": "kv", "bytes": nbytes}
+        row["push_s"] = timed_slowest(push, gloo, args.samples)
+        row["pull_s"] = timed_slowest(pull, gloo, args.samples)
+        row["gloo_s"] = timed_slowest(gloo_p2p, gloo, args.samples)
+        rows.append(row)
+        del kv, pools
+    return rows
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -200,12 +257,25 @@ def table(rate: str, res: dict) -> list[str]:
              "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
+        if r["op"] == "kv":
+            continue
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
         cg = r.get("cam_gloo_s")
         lines.append(f"| {r['op']} | {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | "
                      f"{cg * 1e3 if cg else float('nan'):.3f} | {r['gloo_s'] * 1e3:.3f} | "
                      f"{r['gloo_s'] / r['cam_s']:.2f}x | {cg / r['cam_s'] if cg else float('nan'):.2f}x | "
                      f"{link / 1e9:.3f} | {link / stream:.0%} |")
+    kv = [r for r in res["rows"] if r["op"] == "kv"]
+    if kv:
+        lines += ["", "KV transfer between hosts (rank 0 -> rank 2: push until the notification is seen; pull by "
+                  "rank 2), against gloo send/recv of the same bytes:", "",
+                  "| request | push ms | pull ms | gloo send/recv ms | gloo / push | push GB/s | of raw stream |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in kv:
+            bw = r["bytes"] / r["push_s"]
+            lines.append(f"| {human(r['bytes'])} | {r['push_s'] * 1e3:.3f} | {r['pull_s'] * 1e3:.3f} | "
+                         f"{r['gloo_s'] * 1e3:.3f} | {r['gloo_s'] / r['push_s']:.2f}x | {bw / 1e9:.3f} | "
+                         f"{bw / stream:.0%} |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]

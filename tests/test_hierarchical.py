@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cam_testing import assert_all_ok, cam_segments, run_ranks
 from hierarchical_checks import check_all
+from kv_across_hosts_checks import check_kv, check_kv_dead_peer
 
 DEADLINE_S = 240
 
@@ -61,8 +62,9 @@ def _extensions_refuse(rank, world, init_file, hosts):
     _init(rank, world, init_file, hosts)
     import torch_cam
     try:
-        for what, call in (("empty", lambda: torch_cam.empty(4)),
-                           ("all_reduce_", lambda: torch_cam.all_reduce_(torch.ones(2))),
+        t = torch_cam.empty(4)  # in this host's heap
+        assert torch_cam.is_heap_tensor(t), "torch_cam.empty on a group across hosts is not in the host's heap"
+        for what, call in (("all_reduce_", lambda: torch_cam.all_reduce_(torch.ones(2))),
                            ("Buffer", lambda: torch_cam.Buffer(dist.group.WORLD, 1 << 20))):
             try:
                 call()
@@ -124,6 +126,19 @@ def _killed(rank, world, init_file, hosts):
     return ("returned", time.monotonic() - start, "")
 
 
+def _kv(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts)
+    try:
+        return check_kv(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _kv_dead_peer(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    return check_kv_dead_peer(rank, world, timeout_s=30)
+
+
 def _have_ucx():
     import torch_cam
     return torch_cam._C.ucx_version is not None
@@ -160,9 +175,11 @@ class _HierarchicalCases:
     def run_ranks(self, fn, world, *args, **kw):
         return run_ranks(fn, world, *args, env={"TORCH_CAM_INTER_HOST_ENGINE": self.ENGINE}, **kw)
 
-    def _run(self, hosts):
+    def _run(self, hosts, fn=None):
+        """Runs fn (default: every collective) on the hosts; each rank returns what went wrong."""
         before = set(cam_segments())
-        results = self.run_ranks(_checks, len(hosts), hosts, self.ENGINE, deadline_s=DEADLINE_S)
+        args = (self.ENGINE,) if fn is None else ()
+        results = self.run_ranks(fn or _checks, len(hosts), hosts, *args, deadline_s=DEADLINE_S)
         assert_all_ok(self, results)
         bad = {r: v for r, (_, v) in results.items() if v}
         self.assertFalse(bad, "\n".join(f"rank {r}: {m}" for r, ms in bad.items() for m in ms))
@@ -248,6 +265,27 @@ class _HierarchicalCases:
 @unittest.skipUnless(_have_ucx(), "this build of torch_cam has no UCX (apt-get install libucx-dev, then rebuild)")
 class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
     ENGINE = "ucx"
+
+    # KV transfer between hosts runs over UCX whatever engine the collectives use.
+    def test_kv_two_hosts_of_two(self):
+        self._run([0, 0, 1, 1], _kv)
+
+    def test_kv_three_hosts_of_one(self):
+        self._run([0, 1, 2], _kv)
+
+    def test_kv_dead_peer_on_another_host(self):
+        before = set(cam_segments())
+        results = self.run_ranks(_kv_dead_peer, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
+        for r in (0, 1, 2):
+            status, value = results[r]
+            self.assertEqual(status, "ok", value)
+            how, took, msg = value
+            self.assertEqual(how, "RuntimeError", f"rank {r}: {msg}")
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+            self.assertIn("rank 3", msg)
+            self.assertIn("| push:", msg)
+        self.assertIn("UCX", results[0][1][2])  # host 0 reaches rank 3 over UCX
+        self.assertEqual(set(cam_segments()) - before, set())
 
 
 class GlooHierarchicalTest(_HierarchicalCases, unittest.TestCase):

@@ -2,8 +2,8 @@
 # Groups across simulated hosts (namespaces made by the team's multihost.sh: own network,
 # hostname, /dev/shm, PID namespace and boot id per host; between hosts UCX over TCP where the
 # build has it, and again gloo, the fallback of a build without UCX): every collective and point-to-point op at 2 hosts x 2 ranks and 3 hosts x 1 rank
-# checked against the reference, and a rank that dies on one host makes the ranks of every host
-# raise; nothing may be left in any host's /dev/shm.
+# checked against the reference, KV transfer (push, pull) between hosts over UCX, and a rank that
+# dies on one host makes the ranks of every host raise; nothing may be left in any host's /dev/shm.
 #   bash tests/test_multihost.sh [python]      (default .venv/bin/python)
 # Needs root (namespaces); skips with a message where it is not root or has no multihost.sh
 # (TORCH_CAM_MULTIHOST names it; else ../shared/tools/multihost.sh beside the checkout).
@@ -20,12 +20,12 @@ if [ -z "$tool" ]; then echo "SKIPPED: multihost.sh not found (set TORCH_CAM_MUL
 if [ "$(id -u)" != 0 ]; then echo "SKIPPED: simulated hosts need root (network and mount namespaces)"; exit 0; fi
 if ! unshare --net --mount true 2>/dev/null; then echo "SKIPPED: unshare is not permitted here"; exit 0; fi
 status=0
-check() {  # check <hosts> <ranks per host> <script>
-  echo "-- $1 hosts x $2 ranks, $TORCH_CAM_INTER_HOST_ENGINE between hosts: $3 ($SECONDS s)"
-  MULTIHOST_PYTHON=$PY "$tool" --torchrun --timeout 240 "$1" "$2" -- "$3" >"$log" 2>&1
+check() {  # check <hosts> <ranks per host> <script> [args]
+  echo "-- $1 hosts x $2 ranks, $TORCH_CAM_INTER_HOST_ENGINE between hosts: ${*:3} ($SECONDS s)"
+  MULTIHOST_PYTHON=$PY "$tool" --torchrun --timeout 240 "$1" "$2" -- "${@:3}" >"$log" 2>&1
   local rc=$?
   grep -E "\] rank [0-9]+ raised after|\] rank [0-9]+: |^multihost: (ok|FAIL)" "$log"
-  if [ $rc != 0 ]; then tail -n 40 "$log"; echo "FAILED: $1 x $2 $3 (exit $rc)"; status=1; fi
+  if [ $rc != 0 ]; then tail -n 40 "$log"; echo "FAILED: $1 x $2 ${*:3} (exit $rc)"; status=1; fi
 }
 log=$(mktemp "${TMPDIR:-/tmp}/torch_cam_multihost.XXXXXX")
 trap 'rm -f "$log"' EXIT
@@ -41,5 +41,10 @@ for engine in $engines; do
   check 3 1 tests/multihost/check_collectives.py
   check 2 2 tests/multihost/check_dead_rank.py
   check 3 1 tests/multihost/check_dead_rank.py
+  if [ "$engine" = ucx ]; then  # KV between hosts is UCX's whatever engine the collectives use
+    check 2 2 tests/multihost/check_kv.py
+    check 3 1 tests/multihost/check_kv.py
+    check 2 2 tests/multihost/check_kv.py --dead-peer
+  fi
 done
 exit $status

@@ -112,6 +112,24 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
                                   f"{desc} on hosts {', '.join(host_names)}")
 
 
+def spanning_backend(group=None) -> "_C.HierarchicalBackend | None":
+    """The native backend of ``group`` when its ranks span hosts; None when they share one."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return None
+    backend = pg._get_backend(torch.device("cpu"))
+    if isinstance(backend, _C.HierarchicalBackend):
+        return backend
+    return _spanning.get(getattr(pg, "group_name", ""))
+
+
+def get_host_backend(group=None) -> "_C.CamBackend":
+    """The cam backend over this rank's host in ``group``: the group's own when it is on one
+    host, else the backend of its ranks on this host (their heap, their engine)."""
+    spanning = spanning_backend(group)
+    return spanning.local if spanning is not None else get_cam_backend(group)
+
+
 def get_cam_backend(group=None) -> "_C.CamBackend":
     """The native cam backend of ``group`` (default: the world group)."""
     pg = group if group is not None else dist.group.WORLD
@@ -130,7 +148,7 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
             f"torch_cam: group {pg.group_name!r} spans {len(names)} hosts ({', '.join(names)}); this "
             "operation reads and writes peers' memory directly, which needs every rank of the group on "
             "one host (between hosts it needs one-sided operations over UCX, which torch_cam's "
-            "collectives use but this operation does not yet). Collectives and point-to-point work "
-            "across hosts")
+            "collectives use but this operation does not yet). Collectives, point-to-point and "
+            "torch_cam.kv.KVTransfer work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "
                        f"(its CPU backend is {type(backend).__name__})")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from .backend import get_cam_backend
+from .backend import get_host_backend
 
 
 def _sizes(size) -> list[int]:
@@ -25,8 +25,9 @@ def _sizes(size) -> list[int]:
 
 def empty(*size, dtype: torch.dtype | None = None, group=None) -> torch.Tensor:
     """Like ``torch.empty(*size, dtype=dtype)``, in the tensor heap of ``group`` (default:
-    the world group). Contents are uninitialised (freshly reserved pages read as zeros)."""
-    return get_cam_backend(group).empty(_sizes(size), dtype or torch.get_default_dtype())
+    the world group; for a group across hosts, the heap of its ranks on this host). Contents are
+    uninitialised (freshly reserved pages read as zeros)."""
+    return get_host_backend(group).empty(_sizes(size), dtype or torch.get_default_dtype())
 
 
 def zeros(*size, dtype: torch.dtype | None = None, group=None) -> torch.Tensor:
@@ -37,7 +38,7 @@ def zeros(*size, dtype: torch.dtype | None = None, group=None) -> torch.Tensor:
 def is_heap_tensor(tensor: torch.Tensor, group=None) -> bool:
     """Whether ``tensor``'s memory lies in this rank's tensor heap of ``group`` (views
     included), so that collectives of that group can let peers read it in place."""
-    return get_cam_backend(group).owns(tensor)
+    return get_host_backend(group).owns(tensor)
 
 
 def use_heap_allocator(min_bytes: int | None = 1 << 20) -> None:

@@ -64,6 +64,9 @@ class HierarchicalBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "cam"; }
   const HostMap& host_map() const { return map_; }
+  // This rank's host: its ranks' own cam backend (their heap, their engine).
+  const c10::intrusive_ptr<CamBackend>& local() const { return local_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   // The engine of the inter-host collectives ("cam-ucx" or "gloo").
   std::string inter_host_engine() const { return inter_.collectives->getBackendName(); }
 

@@ -63,6 +63,15 @@ struct KVControlLayout {
   static KVRegistration* registration(char* block) { return reinterpret_cast<KVRegistration*>(block); }
   SignalLine* tail(char* block, int p) const { return reinterpret_cast<SignalLine*>(block + tails_at()) + p; }
   KVRing* ring(char* block, int p) const { return reinterpret_cast<KVRing*>(block + rings_at()) + p; }
+
+  // Byte offsets inside a block, for peers that reach it through a transport (kv_peer.hpp).
+  static constexpr int64_t version_at() { return int64_t(offsetof(KVRegistration, version)); }
+  int64_t tail_at(int p) const { return tails_at() + p * int64_t(sizeof(SignalLine)); }
+  int64_t head_at(int p) const { return rings_at() + p * int64_t(sizeof(KVRing)) + int64_t(offsetof(KVRing, head)); }
+  int64_t slot_at(int p, int64_t i) const {
+    return rings_at() + p * int64_t(sizeof(KVRing)) + int64_t(offsetof(KVRing, slots)) +
+           i * int64_t(sizeof(KVNoteSlot));
+  }
 };
 
 }  // namespace cam::kv

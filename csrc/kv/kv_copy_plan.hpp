@@ -26,6 +26,15 @@ class KVCopyPlan {
   // Copies layer `layer`'s share of the request from the pool at src_base to the one at dst_base.
   // Returns the bytes copied.
   int64_t copy_layer(char* src_base, char* dst_base) const;
+  // The same copy as contiguous moves, move(dst, src, bytes), for a transport that moves bytes
+  // itself; a base may be a peer's address (never dereferenced here). Returns the bytes.
+  template <class Move>
+  int64_t layer_moves(char* src_base, char* dst_base, Move&& move) const {
+    if (runs_.empty()) return 0;
+    kernels::kv_copy_moves(src_.side(src_base), dst_.side(dst_base), runs_.data(), int64_t(runs_.size()),
+                           pieces_.data(), int64_t(pieces_.size()), move);
+    return layer_bytes_;
+  }
 
   const std::vector<int64_t>& layers() const { return layers_; }
   const std::vector<int64_t>& dst_blocks() const { return dst_blocks_; }  // the ones written

@@ -4,14 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <sys/mman.h>
-#include <unistd.h>
-
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 
-#include "../../kernels/copy.hpp"
 #include "../backend/cam_work.hpp"
+#include "../core/errors.hpp"
 
 namespace cam::kv {
 
@@ -70,10 +68,10 @@ class KVTransferOp : public Op {
 // ---- jobs -----------------------------------------------------------------------------------
 
 KVTransferJob::KVTransferJob(std::string what, int64_t kind, int peer, std::string request_id, uint64_t version,
-                             KVCopyPlan plan, std::vector<char*> src_bases, std::vector<char*> dst_bases,
+                             KVCopyPlan plan, std::vector<char*> local_pools, std::vector<int64_t> peer_pools,
                              Clock::time_point deadline)
     : what_(std::move(what)), kind_(kind), peer_(peer), request_id_(std::move(request_id)), version_(version),
-      plan_(std::move(plan)), src_bases_(std::move(src_bases)), dst_bases_(std::move(dst_bases)),
+      plan_(std::move(plan)), local_pools_(std::move(local_pools)), peer_pools_(std::move(peer_pools)),
       deadline_(deadline) {}
 
 bool KVTransferJob::layer_done(int64_t layer) const {
@@ -92,9 +90,9 @@ std::vector<int64_t> KVTransferJob::failed_blocks() const {
 
 // ---- setup and registration -----------------------------------------------------------------
 
-KVTransfer::KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout)
-    : engine_(std::move(engine)), timeout_(timeout), rank_(engine_->heap().rank()),
-      world_(engine_->heap().world_size()), layout_{world_} {
+KVTransfer::KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout, int rank, int world)
+    : engine_(std::move(engine)), timeout_(timeout), rank_(rank < 0 ? engine_->heap().rank() : rank),
+      world_(world < 0 ? engine_->heap().world_size() : world), layout_{world_} {
   // Never released: a peer may read this block (and write its rings) after this object is gone,
   // and a heap tensor reusing the bytes would be taken for a registration. A few KiB per peer.
   control_offset_ = engine_->heap().arena()->reserve_block(layout_.bytes());
@@ -108,17 +106,31 @@ KVTransfer::KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds
 
 int64_t KVTransfer::control_offset() const { return control_offset_; }
 
-void KVTransfer::connect(const std::vector<int64_t>& offsets) {
+void KVTransfer::connect(const std::vector<int64_t>& offsets, const PeerMaker& make) {
   TORCH_CHECK(int64_t(offsets.size()) == world_, "cam KVTransfer on rank ", rank_, ": expected ", world_,
               " control block offsets, got ", offsets.size());
-  const int64_t cap = engine_->config().tensor_heap_bytes;
-  peer_control_.resize(size_t(world_));
+  std::vector<std::unique_ptr<KVPeer>> peers;
+  peers.resize(size_t(world_));
   for (int r = 0; r < world_; ++r) {
-    TORCH_CHECK(offsets[size_t(r)] >= 0 && offsets[size_t(r)] + layout_.bytes() <= cap, "cam KVTransfer on rank ",
-                rank_, ": rank ", r, "'s control block offset ", offsets[size_t(r)], " is outside its tensor heap");
-    peer_control_[size_t(r)] = r == rank_ ? control_
-                                          : engine_->heap().layout().arena(engine_->heap().base(r)) + offsets[size_t(r)];
+    if (r == rank_) continue;
+    peers[size_t(r)] = make(r, offsets[size_t(r)]);
+    TORCH_CHECK(offsets[size_t(r)] >= 0 && offsets[size_t(r)] + layout_.bytes() <= peers[size_t(r)]->arena_bytes(),
+                "cam KVTransfer on rank ", rank_, ": rank ", r, "'s control block offset ", offsets[size_t(r)],
+                " is outside its tensor heap");
   }
+  peers_ = std::move(peers);
+}
+
+void KVTransfer::connect(const std::vector<int64_t>& offsets) {
+  const SymmetricHeap& heap = engine_->heap();
+  const int64_t cap = engine_->config().tensor_heap_bytes;
+  connect(offsets, [&](int r, int64_t off) { return std::make_unique<MappedKVPeer>(heap, r, off, cap); });
+}
+
+char* KVTransfer::mapped_arena(int peer) const {
+  TORCH_CHECK_VALUE(peer >= 0 && peer < world_ && peer != rank_ && size_t(peer) < peers_.size(),
+                    "cam KVTransfer on rank ", rank_, ": peer ", peer, " is not another rank of the group of ", world_);
+  return peers_[size_t(peer)]->mapped_arena();
 }
 
 uint64_t KVTransfer::register_pools(const std::vector<at::Tensor>& pools, const KVLayoutDesc& layout) {
@@ -150,48 +162,33 @@ uint64_t KVTransfer::register_pools(const std::vector<at::Tensor>& pools, const 
   return version_;
 }
 
-KVTransfer::PeerRegistration KVTransfer::read_registration(int peer) {
-  const auto* reg = KVControlLayout::registration(peer_control(peer));
+KVTransfer::PeerRegistration KVTransfer::read_registration(int r) {
+  KVPeer& p = peer(r);
   const auto deadline = Clock::now() + timeout_;
   Backoff backoff(engine_->config().spin_us, engine_->config().yield_us, engine_->config().sleep_max_us);
   std::lock_guard<std::mutex> lk(peers_mu_);
-  PeerRegistration& cached = peer_cache_[size_t(peer)];
+  PeerRegistration& cached = peer_cache_[size_t(r)];
+  constexpr int64_t version_at = KVControlLayout::version_at();
   while (true) {
-    const uint64_t v = signal_acquire(reg->version);
+    const uint64_t v = p.load(version_at);
     if (v == cached.version) return cached;  // unchanged since last read (or still 0: none)
     if (v % 2 == 0) {
       int64_t f[kFields];
-      std::memcpy(f, reg->fields, sizeof(f));
+      p.read(int64_t(offsetof(KVRegistration, fields)), f, sizeof(f));
       const KVLayoutDesc desc = from_fields(f);
       std::vector<int64_t> offsets(size_t(std::clamp<int64_t>(desc.num_layers, 0, kMaxLayers)));
-      std::memcpy(offsets.data(), reg->layer_offset, offsets.size() * sizeof(int64_t));
+      p.read(int64_t(offsetof(KVRegistration, layer_offset)), offsets.data(), offsets.size() * sizeof(int64_t));
       std::atomic_thread_fence(std::memory_order_acquire);
-      if (signal_relaxed(reg->version) == v) {
-        map_pools(peer, desc, offsets);
+      if (p.load(version_at) == v) {
+        p.prepare_pools(desc, offsets);
         cached = PeerRegistration{v, desc, std::move(offsets)};
         return cached;
       }
     }
-    TORCH_CHECK(Clock::now() < deadline, "cam KVTransfer on rank ", rank_, ": rank ", peer,
+    TORCH_CHECK(Clock::now() < deadline, "cam KVTransfer on rank ", rank_, ": rank ", r,
                 "'s registration stayed half-written for ", timeout_.count(), " ms");
     backoff.pause();
   }
-}
-
-void KVTransfer::map_pools(int peer, const KVLayoutDesc& desc, const std::vector<int64_t>& offsets) {
-#ifdef MADV_POPULATE_WRITE
-  // The peer's pool pages exist (the owner allocated them) but are not yet in this process's
-  // page tables: without this, the first transfer takes a fault per 4 KiB page (5 ms instead of
-  // 1 ms for 16 MiB). Best effort: older kernels refuse, and then the first transfer pays.
-  const int64_t cap = engine_->config().tensor_heap_bytes, bytes = desc.pool_bytes();
-  char* arena = engine_->heap().layout().arena(engine_->heap().base(peer));
-  for (int64_t off : offsets) {
-    if (off < 0 || off + bytes > cap) continue;  // refused with a message at transfer time
-    const auto page = uintptr_t(sysconf(_SC_PAGESIZE));
-    const uintptr_t lo = uintptr_t(arena + off) & ~(page - 1);
-    madvise(reinterpret_cast<void*>(lo), size_t(uintptr_t(arena + off + bytes) - lo), MADV_POPULATE_WRITE);
-  }
-#endif
 }
 
 std::pair<uint64_t, KVLayoutDesc> KVTransfer::peer_registration(int peer) {
@@ -227,7 +224,12 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
     own_layout = layout_desc_;
   }
   TORCH_CHECK(own != nullptr, "cam KVTransfer on rank ", rank_, ": register this rank's pools first");
-  const PeerRegistration reg = read_registration(peer);
+  PeerRegistration reg;
+  try {
+    reg = read_registration(peer);
+  } catch (const FatalError& e) {  // the transport to the peer failed (a peer on another host lost)
+    TORCH_CHECK(false, what, ": ", e.what());
+  }
   TORCH_CHECK(reg.version != 0, "cam KVTransfer on rank ", rank_, ": rank ", peer, " has registered no KV pools");
   try {
     const auto deadline = Clock::now() + timeout_;
@@ -238,19 +240,18 @@ std::shared_ptr<KVTransferJob> KVTransfer::prepare(int64_t kind, int peer, Block
     const KVLayoutDesc& src = push ? own_layout : reg.layout;
     const KVLayoutDesc& dst = push ? reg.layout : own_layout;
     KVCopyPlan plan(src, src_ids, dst, dst_ids, num_tokens, std::move(layers), all_layers);
-    const int64_t cap = engine_->config().tensor_heap_bytes;
-    char* peer_arena = engine_->heap().layout().arena(engine_->heap().base(peer));
-    std::vector<char*> src_bases, dst_bases;
+    const int64_t cap = this->peer(peer).arena_bytes();
+    std::vector<char*> local_pools;
+    std::vector<int64_t> peer_pools;
     for (int64_t l : plan.layers()) {
       const int64_t off = reg.offsets[size_t(l)];
       TORCH_CHECK(off >= 0 && off + reg.layout.pool_bytes() <= cap, "rank ", peer, "'s layer ", l,
                   " pool at offset ", off, " is outside its tensor heap");
-      char* mine = static_cast<char*>((*own)[size_t(l)].data_ptr());
-      src_bases.push_back(push ? mine : peer_arena + off);
-      dst_bases.push_back(push ? peer_arena + off : mine);
+      local_pools.push_back(static_cast<char*>((*own)[size_t(l)].data_ptr()));
+      peer_pools.push_back(off);
     }
     auto job = std::make_shared<KVTransferJob>(what, kind, peer, request_id, reg.version, std::move(plan),
-                                               std::move(src_bases), std::move(dst_bases), deadline);
+                                               std::move(local_pools), std::move(peer_pools), deadline);
     job->own_pools_ = std::move(own);
     return job;
   } catch (const c10::Error& e) {
@@ -287,21 +288,33 @@ void KVTransfer::finish(KVTransferJob& job, std::string error, bool timed_out) {
 }
 
 bool KVTransfer::advance(KVTransferJob& job) {
+  if (job.state_.load(std::memory_order_relaxed) == KVTransferJob::State::kDone) return false;
+  try {
+    return advance_once(job);
+  } catch (const std::exception& e) {
+    // The transport failed under the transfer (a peer on another host lost): the transfer's own
+    // failure, not the group's.
+    finish(job, str(job.what_, ": ", e.what()), false);
+    return true;
+  }
+}
+
+bool KVTransfer::advance_once(KVTransferJob& job) {
   using State = KVTransferJob::State;
   const State state = job.state_.load(std::memory_order_relaxed);
-  if (state == State::kDone) return false;
+  KVPeer& p = peer(job.peer_);
   if (state == State::kCopying) {
     const int64_t i = job.layers_copied_.load(std::memory_order_relaxed);
     const auto& layers = job.plan_.layers();
     if (i < int64_t(layers.size())) {
-      job.nbytes_.fetch_add(job.plan_.copy_layer(job.src_bases_[size_t(i)], job.dst_bases_[size_t(i)]),
-                            std::memory_order_relaxed);
+      job.nbytes_.fetch_add(
+          p.copy_layer(job.plan_, job.kind_ == kPush, job.local_pools_[size_t(i)], job.peer_pools_[size_t(i)]),
+          std::memory_order_relaxed);
       job.layers_copied_.store(i + 1, std::memory_order_release);
       return true;
     }
     // A re-registration during the copy may have handed the blocks to something else.
-    const auto* reg = KVControlLayout::registration(peer_control(job.peer_));
-    const uint64_t now = signal_acquire(reg->version);
+    const uint64_t now = p.load(KVControlLayout::version_at());
     if (now != job.version_) {
       job.status_ = kFailed;
       job.error_ = str(job.what_, ": rank ", job.peer_, " re-registered its KV pools during the transfer (version ",
@@ -314,7 +327,7 @@ bool KVTransfer::advance(KVTransferJob& job) {
     // Writes into a dead peer's pools succeed (the mapping outlives it), so the sender asks.
     const std::string dead = peer_dead(job.peer_);
     if (!dead.empty()) {
-      finish(job, str(job.what_, ": rank ", job.peer_, " ", dead, "; the data went nowhere"), false);
+      finish(job, str(job.what_, ": rank ", job.peer_, " is gone (", dead, "); the data went nowhere"), false);
       return true;
     }
   }
@@ -361,7 +374,7 @@ std::string KVTransfer::peer_dead(int peer) {
   std::lock_guard<std::mutex> lk(p.mu);
   const auto now = Clock::now();
   if (p.dead.empty() && now >= p.next_check) {
-    p.dead = engine_->heap().peer_failure(peer);
+    p.dead = this->peer(peer).dead();
     p.next_check = now + std::chrono::milliseconds(engine_->config().liveness_interval_ms);
   }
   return p.dead;
@@ -370,11 +383,10 @@ std::string KVTransfer::peer_dead(int peer) {
 bool KVTransfer::try_notify(int peer, int64_t kind, int64_t status, int64_t nbytes, const std::string& request_id,
                             const std::string& message) {
   std::lock_guard<std::mutex> lk(ring_mu_[size_t(peer)]);
-  char* block = peer_control(peer);
+  KVPeer& p = this->peer(peer);
   const uint64_t seq = sent_[size_t(peer)];
-  if (seq - signal_acquire(layout_.tail(block, rank_)->value) >= uint64_t(kSlots)) return false;
-  KVRing* ring = layout_.ring(block, rank_);
-  KVNoteSlot& s = ring->slots[seq % kSlots];
+  if (seq - p.load(layout_.tail_at(rank_)) >= uint64_t(kSlots)) return false;
+  KVNoteSlot s;
   const size_t mlen = std::min(message.size(), size_t(kMessageBytes));
   s.seq = int64_t(seq + 1);
   s.status = status;
@@ -382,10 +394,13 @@ bool KVTransfer::try_notify(int peer, int64_t kind, int64_t status, int64_t nbyt
   s.nbytes = nbytes;
   s.id_len = int64_t(request_id.size());
   s.message_len = int64_t(mlen);
+  std::memset(s.id, 0, sizeof(s.id));
   std::memcpy(s.id, request_id.data(), request_id.size());
   std::memcpy(s.message, message.data(), mlen);
-  kernels::store_fence();  // the transfer's copies may have used non-temporal stores
-  signal_release(ring->head.value, seq + 1);
+  // The slot up to the message's last byte, then the head: publish() orders the transfer's
+  // bytes and the slot before it.
+  p.write(layout_.slot_at(rank_, int64_t(seq % kSlots)), &s, offsetof(KVNoteSlot, message) + mlen);
+  p.publish(layout_.head_at(rank_), seq + 1);
   sent_[size_t(peer)] = seq + 1;
   return true;
 }

@@ -1,7 +1,8 @@
 // KV-cache transfer between ranks of a cam group (docs/kv.md): each rank registers its paged
-// pools (heap-resident, so every peer has them mapped); push writes this rank's share of a
-// request into a peer's pools, pull reads a peer's share into this rank's; after the last byte
-// a notification goes into the peer's ring (kv_control.hpp). One-sided: the peer takes no part.
+// pools (in its host's tensor heap); push writes this rank's share of a request into a peer's
+// pools, pull reads a peer's share into this rank's; after the last byte a notification goes
+// into the peer's ring (kv_control.hpp). One-sided: the peer takes no part. How a peer's memory
+// is reached (mapped on this host, UCX to another) is its KVPeer's business (kv_peer.hpp).
 //
 // A transfer is checked and planned on the caller's thread (bad input raises there, and the
 // peer still hears that the request failed), then runs either right there (synchronous) or as
@@ -14,6 +15,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -23,6 +25,7 @@
 #include "../backend/engine.hpp"
 #include "kv_control.hpp"
 #include "kv_copy_plan.hpp"
+#include "kv_peer.hpp"
 
 namespace cam::kv {
 
@@ -46,7 +49,7 @@ class KVTransferJob {
  public:
   enum class State { kCopying, kNotifying, kDone };
   KVTransferJob(std::string what, int64_t kind, int peer, std::string request_id, uint64_t version,
-                KVCopyPlan plan, std::vector<char*> src_bases, std::vector<char*> dst_bases,
+                KVCopyPlan plan, std::vector<char*> local_pools, std::vector<int64_t> peer_pools,
                 Clock::time_point deadline);
 
   const std::string& what() const { return what_; }
@@ -69,7 +72,8 @@ class KVTransferJob {
   std::string request_id_;
   uint64_t version_;
   KVCopyPlan plan_;
-  std::vector<char*> src_bases_, dst_bases_;  // per entry of plan_.layers()
+  std::vector<char*> local_pools_;     // per entry of plan_.layers(): this rank's pool
+  std::vector<int64_t> peer_pools_;    // and the peer's, as an offset in its tensor arena
   std::shared_ptr<const std::vector<at::Tensor>> own_pools_;  // kept alive while in flight
   Clock::time_point deadline_;
   std::atomic<State> state_{State::kCopying};
@@ -82,10 +86,20 @@ class KVTransferJob {
 
 class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
  public:
-  KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout);
-  // The arena offset of this rank's control block, and every rank's (from the rendezvous).
+  // rank, world: in the transfer's group (a group across hosts keeps its control block and
+  // pools in its host's heap, whose engine this is); -1: the engine's own.
+  KVTransfer(std::shared_ptr<Engine> engine, std::chrono::milliseconds timeout, int rank = -1, int world = -1);
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  // The arena offset of this rank's control block, and every rank's (from the rendezvous):
+  // make(r, offset) builds how rank r is reached.
   int64_t control_offset() const;
+  using PeerMaker = std::function<std::unique_ptr<KVPeer>(int rank, int64_t control_offset)>;
+  void connect(const std::vector<int64_t>& offsets, const PeerMaker& make);
+  // A group on one host: every peer through the engine's heap.
   void connect(const std::vector<int64_t>& offsets);
+  // Where the peer's arena is mapped here; null when it is on another host.
+  char* mapped_arena(int peer) const;
 
   // Publishes this rank's pools (one heap tensor per layer). Returns the new version.
   uint64_t register_pools(const std::vector<at::Tensor>& pools, const KVLayoutDesc& layout);
@@ -121,8 +135,8 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
     std::vector<int64_t> offsets;
   };
   PeerRegistration read_registration(int peer);
-  // Maps a newly read registration's pool pages into this process's page tables.
-  void map_pools(int peer, const KVLayoutDesc& desc, const std::vector<int64_t>& offsets);
+  KVPeer& peer(int r) const { return *peers_[size_t(r)]; }
+  bool advance_once(KVTransferJob& job);
   bool try_notify(int peer, int64_t kind, int64_t status, int64_t nbytes, const std::string& request_id,
                   const std::string& message);
   // Blocks (backing off) until posted; throws on the peer's death or at the deadline.
@@ -131,7 +145,6 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   void drain();
   // Why the peer is dead ("" while alive), checked at most once per liveness interval.
   std::string peer_dead(int peer);
-  char* peer_control(int peer) const { return peer_control_[size_t(peer)]; }
   void finish(KVTransferJob& job, std::string error, bool timed_out);
 
   std::shared_ptr<Engine> engine_;
@@ -140,7 +153,7 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   KVControlLayout layout_;
   char* control_;  // this rank's control block, in its tensor arena
   int64_t control_offset_;
-  std::vector<char*> peer_control_;
+  std::vector<std::unique_ptr<KVPeer>> peers_;  // null for this rank
 
   std::mutex register_mu_;
   std::shared_ptr<const std::vector<at::Tensor>> pools_;  // this rank's registered pools

@@ -230,7 +230,14 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("inter_host_engine", &cam::HierarchicalBackend::inter_host_engine,
                              "The engine of its collectives between hosts: \"cam-ucx\" or \"gloo\"")
       .def_property_readonly("host_ranks", [](const cam::HierarchicalBackend& b) { return b.host_map().ranks; },
-                             "The group ranks on each host, hosts in order of their lowest rank");
+                             "The group ranks on each host, hosts in order of their lowest rank")
+      .def_property_readonly("host_of", [](const cam::HierarchicalBackend& b) { return b.host_map().host_of; },
+                             "Group rank -> its host's index")
+      .def_property_readonly("local_of", [](const cam::HierarchicalBackend& b) { return b.host_map().local_of; },
+                             "Group rank -> its rank among its host's ranks")
+      .def_property_readonly("local", &cam::HierarchicalBackend::local,
+                             "The cam backend of this rank's host (its heap and engine)")
+      .def_property_readonly("store", &cam::HierarchicalBackend::store, "The group's store");
 
   py::class_<cam::LoopbackFabric, std::shared_ptr<cam::LoopbackFabric>>(
       m, "LoopbackFabric", "Control windows of ranks that are threads of this process (tests of the inter-host engine)")

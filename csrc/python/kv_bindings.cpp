@@ -6,7 +6,11 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "../backend/cam_backend.hpp"
+#include "../core/config.hpp"
 #include "../kv/kv_transfer.hpp"
+#ifdef CAM_HAVE_UCX
+#include "../kv/kv_peer_ucx.hpp"
+#endif
 
 #include <optional>
 
@@ -162,14 +166,56 @@ void bind_kv(py::module& m) {
       .def("layer_done", &cam::kv::KVTransferJob::layer_done)
       .def("failed_blocks", &cam::kv::KVTransferJob::failed_blocks);
 
-  py::class_<cam::kv::KVTransfer, std::shared_ptr<cam::kv::KVTransfer>>(m, "KVTransfer")
-      .def(py::init([](cam::CamBackend& b, double timeout_s) {
-             return std::make_shared<cam::kv::KVTransfer>(
-                 b.engine(), std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
+#ifdef CAM_HAVE_UCX
+  py::class_<cam::kv::UcxKVLink, std::shared_ptr<cam::kv::UcxKVLink>>(
+      m, "KVUcxLink", "How a KVTransfer of a group across hosts reaches the ranks of other hosts (UCX)")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+                       cam::CamBackend& host, const std::string& group_desc, const std::vector<std::string>& names) {
+             const auto& cfg = host.engine()->config();
+             cam::UcxOptions o;
+             o.rank = rank;
+             o.size = size;
+             o.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+             o.liveness_interval_ms = cfg.liveness_interval_ms;
+             o.spin_us = cfg.spin_us;
+             o.group_desc = group_desc;
+             o.names = names;
+             const auto& heap = host.engine()->heap();
+             return std::make_shared<cam::kv::UcxKVLink>(store, o, heap.layout().arena(heap.base(heap.rank())),
+                                                          cfg.tensor_heap_bytes);
            }),
-           py::arg("backend"), py::arg("timeout_s"))
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("host"),
+           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
+#endif
+
+  py::class_<cam::kv::KVTransfer, std::shared_ptr<cam::kv::KVTransfer>>(m, "KVTransfer")
+      .def(py::init([](cam::CamBackend& b, double timeout_s, int rank, int world) {
+             return std::make_shared<cam::kv::KVTransfer>(
+                 b.engine(), std::chrono::milliseconds(int64_t(timeout_s * 1000.0)), rank, world);
+           }),
+           py::arg("backend"), py::arg("timeout_s"), py::arg("rank") = -1, py::arg("world") = -1,
+           "backend: the group's cam backend, or for a group across hosts its host's (then rank, world: in the "
+           "group)")
       .def_property_readonly("control_offset", &cam::kv::KVTransfer::control_offset)
-      .def("connect", &cam::kv::KVTransfer::connect, py::arg("offsets"))
+      .def("connect", py::overload_cast<const std::vector<int64_t>&>(&cam::kv::KVTransfer::connect),
+           py::arg("offsets"))
+#ifdef CAM_HAVE_UCX
+      .def(
+          "connect_across_hosts",
+          [](cam::kv::KVTransfer& t, const std::vector<int64_t>& offsets, const std::vector<int>& local_of,
+             cam::CamBackend& host, const std::shared_ptr<cam::kv::UcxKVLink>& link) {
+            const cam::SymmetricHeap& heap = host.engine()->heap();
+            const int64_t cap = host.engine()->config().tensor_heap_bytes;
+            TORCH_CHECK_VALUE(int64_t(local_of.size()) == t.world(), "expected ", t.world(), " entries in local_of");
+            t.connect(offsets, [&](int r, int64_t off) -> std::unique_ptr<cam::kv::KVPeer> {
+              if (local_of[size_t(r)] >= 0)
+                return std::make_unique<cam::kv::MappedKVPeer>(heap, local_of[size_t(r)], off, cap);
+              return std::make_unique<cam::kv::UcxKVPeer>(link, r, off);
+            });
+          },
+          py::arg("offsets"), py::arg("local_of"), py::arg("host"), py::arg("link"),
+          "local_of[r]: rank r's index in this host's heap, or -1 when it is on another host (reached over link)")
+#endif
       .def(
           "register",
           [](cam::kv::KVTransfer& t, const std::vector<at::Tensor>& pools, py::handle layout) {

@@ -14,16 +14,6 @@ namespace {
 
 std::string status_text(ucs_status_t s) { return ucs_status_string(s); }
 
-void put_u64(std::vector<uint8_t>& b, uint64_t v) {
-  const auto* p = reinterpret_cast<const uint8_t*>(&v);
-  b.insert(b.end(), p, p + 8);
-}
-uint64_t get_u64(const std::vector<uint8_t>& b, size_t at) {
-  uint64_t v;
-  std::memcpy(&v, b.data() + at, 8);
-  return v;
-}
-
 size_t slots_offset(int size) { return (size_t(16) * size + 63) / 64 * 64; }
 
 }  // namespace
@@ -114,8 +104,8 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   s = ucp_worker_get_address(worker_, &address, &address_len);
   if (s != UCS_OK) raise(what, "cannot get the UCX worker's address: " + status_text(s));
   std::vector<uint8_t> record;
-  put_u64(record, uint64_t(window_));
-  put_u64(record, address_len);
+  append_u64(record, uint64_t(window_));
+  append_u64(record, address_len);
   record.insert(record.end(), reinterpret_cast<uint8_t*>(address), reinterpret_cast<uint8_t*>(address) + address_len);
   const auto& rk = window_region_->packed_key();
   record.insert(record.end(), rk.begin(), rk.end());
@@ -128,8 +118,8 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
     auto p = std::make_unique<Peer>();
     p->rank = q;
     const std::vector<uint8_t> r = store->get("ucx/" + std::to_string(q));
-    p->window = get_u64(r, 0);
-    const size_t alen = get_u64(r, 8);
+    p->window = read_u64(r, 0);
+    const size_t alen = read_u64(r, 8);
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -313,14 +303,29 @@ void UcxTransport::idle(std::chrono::nanoseconds waited) {
   ::poll(&pfd, 1, 1);
 }
 
+std::string UcxTransport::peer_failure(int peer) const {
+  const auto& p = peers_.at(size_t(peer));
+  if (!p || p->failed == UCS_OK) return {};
+  return str("its UCX endpoint failed with \"", status_text(p->failed), "\" (the process died or ", peer_name(p->rank),
+             " is down)");
+}
+
 std::string UcxTransport::lost_peer() const {
-  for (const auto& p : peers_) {
-    if (!p || p->failed == UCS_OK) continue;
-    return str("rank ", p->rank, " (", peer_name(p->rank), ") is unreachable: its UCX endpoint failed with \"",
-               status_text(p->failed), "\" (the process died or its host is down)");
+  if (!opts_.lost_peer_fails_waits) return {};  // a failed endpoint fails its own requests
+  for (int q = 0; q < opts_.size; ++q) {
+    const std::string why = peer_failure(q);
+    if (!why.empty()) return str("rank ", q, " (", peer_name(q), ") is unreachable: ", why);
   }
   return {};
 }
+
+bool UcxTransport::drain_and_arm() {
+  while (ucp_worker_progress(worker_) != 0) {
+  }
+  return ucp_worker_arm(worker_) == UCS_OK;
+}
+
+void UcxTransport::wake() { ucp_worker_signal(worker_); }
 
 std::string UcxTransport::peer_name(int peer) const {
   return peer >= 0 && size_t(peer) < opts_.names.size() ? opts_.names[peer] : "?";

@@ -33,6 +33,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -56,6 +57,9 @@ struct UcxOptions {
   int64_t spin_us = 5;
   std::string group_desc;           // for messages
   std::vector<std::string> names;   // peer -> where it runs (hostname), for messages
+  // Whether any peer's lost endpoint fails every wait (collectives: the group is broken). When
+  // false, only the operations addressed to that peer fail (KV transfers are per peer).
+  bool lost_peer_fails_waits = true;
 };
 
 // Registered local memory: what a peer needs to read or write it (its packed rkey).
@@ -118,6 +122,16 @@ class UcxTransport : public OneSidedTransport {
   void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
   void fence();
 
+  // Why the peer's endpoint failed ("" while it has not).
+  std::string peer_failure(int peer) const;
+  // For a thread that serves peers' operations on this rank's memory while its owner computes
+  // (over TCP the target's progress carries them out): progresses until nothing moves and arms
+  // the event descriptor. False when events were already queued (call again before sleeping).
+  bool drain_and_arm();
+  int event_fd() const { return efd_; }
+  // Ends a sleep on event_fd() from any thread (ucp_worker_signal).
+  void wake();
+
  protected:
   std::chrono::milliseconds timeout() const override { return opts_.timeout; }
   std::chrono::milliseconds liveness_interval() const override {
@@ -149,6 +163,17 @@ class UcxTransport : public OneSidedTransport {
   std::vector<std::vector<uint8_t>> outbox_;  // per peer: the bytes of its post() being put
   std::deque<uint64_t> operands_;            // the operands of the adds not yet complete
 };
+
+// The records ranks exchange through the store (addresses, lengths, then packed keys).
+inline void append_u64(std::vector<uint8_t>& record, uint64_t v) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  record.insert(record.end(), p, p + 8);
+}
+inline uint64_t read_u64(const std::vector<uint8_t>& record, size_t at) {
+  uint64_t v;
+  std::memcpy(&v, record.data() + at, 8);
+  return v;
+}
 
 // Whether this build has UCX (it always does when this header is compiled in; the Python side
 // asks the module).

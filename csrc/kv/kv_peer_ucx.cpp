@@ -1,0 +1,133 @@
+#include "kv_peer_ucx.hpp"
+
+#include <poll.h>
+
+#include "../core/errors.hpp"
+
+namespace cam::kv {
+
+// ---- the link ----
+
+UcxKVLink::UcxKVLink(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts, char* arena, int64_t arena_bytes)
+    : interval_ms_(opts.liveness_interval_ms) {
+  opts.lost_peer_fails_waits = false;
+  transport_ = std::make_unique<UcxTransport>(store, opts);
+  const int n = transport_->size(), me = transport_->rank();
+  // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
+  // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
+  region_ = transport_->register_memory(arena, size_t(arena_bytes));
+  // Serve before publishing: a peer may read this arena as soon as it has the record.
+  server_ = std::thread([this] { serve(); });
+  std::vector<uint8_t> record;
+  append_u64(record, uint64_t(arena));
+  append_u64(record, uint64_t(arena_bytes));
+  const auto& key = region_->packed_key();
+  record.insert(record.end(), key.begin(), key.end());
+  store->set("kv_arena/" + std::to_string(me), record);
+  peers_.resize(size_t(n));
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    const std::vector<uint8_t> r = store->get("kv_arena/" + std::to_string(q));
+    PeerArena& p = peers_[size_t(q)];
+    p.address = read_u64(r, 0);
+    p.bytes = int64_t(read_u64(r, 8));
+    p.key = locked([&](UcxTransport& t) { return t.unpack_key(q, r.data() + 16); });
+  }
+}
+
+UcxKVLink::~UcxKVLink() {
+  stop_.store(true);
+  transport_->wake();
+  if (server_.joinable()) server_.join();
+  for (auto& p : peers_) p.key.reset();
+  region_.reset();
+  transport_.reset();
+}
+
+void UcxKVLink::serve() {
+  const int fd = transport_->event_fd();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool armed;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      armed = transport_->drain_and_arm();
+    }
+    if (!armed) continue;  // events were queued: progress them first
+    // Woken by arriving traffic or by wake(); the interval bounds a missed wakeup.
+    pollfd pfd{fd, POLLIN, 0};
+    ::poll(&pfd, 1, int(interval_ms_));
+  }
+}
+
+// ---- a peer on another host ----
+
+UcxKVPeer::UcxKVPeer(std::shared_ptr<UcxKVLink> link, int peer, int64_t control_offset)
+    : link_(std::move(link)), peer_(peer), control_offset_(control_offset) {}
+
+ucp_rkey_h UcxKVPeer::key() const { return static_cast<const UcxRemoteKey&>(*link_->arena(peer_).key).get(); }
+
+std::string UcxKVPeer::what() const { return str("cam KV transfer with rank ", peer_); }
+
+uint64_t UcxKVPeer::load(int64_t at) {
+  uint64_t v = 0;
+  read(at, &v, sizeof(v));
+  return v;
+}
+
+void UcxKVPeer::read(int64_t at, void* dst, size_t bytes) {
+  link_->locked([&](UcxTransport& t) {
+    t.get(peer_, dst, bytes, control(at), key());
+    t.complete(what());
+  });
+}
+
+void UcxKVPeer::write(int64_t at, const void* src, size_t bytes) {
+  link_->locked([&](UcxTransport& t) {
+    t.put(peer_, src, bytes, control(at), key());
+    t.complete(what());  // src is the caller's: free to reuse once the put is locally complete
+  });
+}
+
+void UcxKVPeer::publish(int64_t at, uint64_t value) {
+  link_->locked([&](UcxTransport& t) {
+    t.fence();  // every put issued before (a layer's, a slot's) lands before the counter
+    t.put(peer_, &value, sizeof(value), control(at), key());
+    t.complete(what());
+  });
+}
+
+int64_t UcxKVPeer::copy_layer(const KVCopyPlan& plan, bool push, char* local_pool, int64_t peer_pool) {
+  // The peer's pool by its address in the peer's process: the plan computes addresses on it
+  // and hands them to put / get, never to a load or store here.
+  char* theirs = reinterpret_cast<char*>(link_->arena(peer_).address + uint64_t(peer_pool));
+  return link_->locked([&](UcxTransport& t) {
+    // Moves that continue the previous one on both sides become one operation.
+    char* d = nullptr;
+    const char* s = nullptr;
+    size_t n = 0;
+    auto issue = [&] {
+      if (n == 0) return;
+      if (push) t.put(peer_, s, n, uint64_t(d), key());
+      else t.get(peer_, d, n, uint64_t(s), key());
+    };
+    auto move = [&](char* dst, const char* src, size_t bytes) {
+      if (n != 0 && dst == d + n && src == s + n) {
+        n += bytes;
+        return;
+      }
+      issue();
+      d = dst, s = src, n = bytes;
+    };
+    const int64_t bytes =
+        push ? plan.layer_moves(local_pool, theirs, move) : plan.layer_moves(theirs, local_pool, move);
+    issue();
+    t.complete(what());
+    return bytes;
+  });
+}
+
+std::string UcxKVPeer::dead() {
+  return link_->locked([&](UcxTransport& t) { return t.peer_failure(peer_); });
+}
+
+}  // namespace cam::kv
