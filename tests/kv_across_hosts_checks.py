@@ -44,6 +44,8 @@ def check_kv(rank: int, world: int) -> list[str]:
     own_ids = blocks(mine, 1)  # this rank's own request (seed = rank)
     scatter_tokens(pools, mine, own_ids, model_kv(rank))
     version = kv.register(pools, mine)
+    if kv.version(rank) != version or kv.peer_layout(rank) != mine:
+        bad.append(f"this rank's own registration reads back as {kv.version(rank)}, {kv.peer_layout(rank)}")
     dist.barrier()
 
     def expect(what, ids, seed, layers=None):

@@ -161,7 +161,9 @@ class KVCases(CamProcessGroupCase):
             v = kv.version(1)
         dist.barrier()
         if role == "decode":
-            kv.register(pools, lay)  # bumps the version
+            before = kv.version(self.rank)  # this rank's own registration reads like a peer's
+            self.assertGreater(kv.register(pools, lay), before)  # bumps the version
+            self.assertGreater(kv.version(self.rank), before)
         dist.barrier()
         if role == "prefill":
             with self.assertRaisesRegex(RuntimeError, "re-registered"):

@@ -44,8 +44,6 @@ class KVPeer {
   // A newly read registration: make its first transfer cheap (a mapped peer faults the pages in).
   virtual void prepare_pools(const KVLayoutDesc&, const std::vector<int64_t>& /*offsets*/) {}
   virtual std::string dead() = 0;
-  // Whether the peer's memory is mapped here (views of its pools are possible).
-  virtual char* mapped_arena() const { return nullptr; }
 };
 
 // A peer on this host, reached through the symmetric heap (local_rank: its rank in the heap).
@@ -60,7 +58,6 @@ class MappedKVPeer final : public KVPeer {
   int64_t arena_bytes() const override { return arena_bytes_; }
   void prepare_pools(const KVLayoutDesc& desc, const std::vector<int64_t>& offsets) override;
   std::string dead() override;
-  char* mapped_arena() const override { return arena_; }
 
  private:
   const SymmetricHeap& heap_;

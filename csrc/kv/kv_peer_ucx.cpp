@@ -12,22 +12,33 @@ UcxKVLink::UcxKVLink(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts, cha
     : interval_ms_(opts.liveness_interval_ms) {
   opts.lost_peer_fails_waits = false;
   transport_ = std::make_unique<UcxTransport>(store, opts);
-  const int n = transport_->size(), me = transport_->rank();
   // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
   // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
   region_ = transport_->register_memory(arena, size_t(arena_bytes));
   // Serve before publishing: a peer may read this arena as soon as it has the record.
   server_ = std::thread([this] { serve(); });
+  try {
+    publish_and_read(*store, arena, arena_bytes);
+  } catch (...) {  // the destructor does not run for a half-built link: stop the server here
+    stop_.store(true);
+    transport_->wake();
+    server_.join();
+    throw;
+  }
+}
+
+void UcxKVLink::publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes) {
+  const int n = transport_->size(), me = transport_->rank();
   std::vector<uint8_t> record;
   append_u64(record, uint64_t(arena));
   append_u64(record, uint64_t(arena_bytes));
   const auto& key = region_->packed_key();
   record.insert(record.end(), key.begin(), key.end());
-  store->set("kv_arena/" + std::to_string(me), record);
+  store.set("kv_arena/" + std::to_string(me), record);
   peers_.resize(size_t(n));
   for (int q = 0; q < n; ++q) {
     if (q == me) continue;
-    const std::vector<uint8_t> r = store->get("kv_arena/" + std::to_string(q));
+    const std::vector<uint8_t> r = store.get("kv_arena/" + std::to_string(q));
     PeerArena& p = peers_[size_t(q)];
     p.address = read_u64(r, 0);
     p.bytes = int64_t(read_u64(r, 8));

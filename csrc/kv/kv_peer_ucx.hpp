@@ -53,6 +53,8 @@ class UcxKVLink {
 
  private:
   void serve();
+  // Publishes this rank's arena record in the store and reads every peer's.
+  void publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes);
 
   std::unique_ptr<UcxTransport> transport_;
   std::unique_ptr<MemoryRegion> region_;

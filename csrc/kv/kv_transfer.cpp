@@ -111,8 +111,7 @@ void KVTransfer::connect(const std::vector<int64_t>& offsets, const PeerMaker& m
               " control block offsets, got ", offsets.size());
   std::vector<std::unique_ptr<KVPeer>> peers;
   peers.resize(size_t(world_));
-  for (int r = 0; r < world_; ++r) {
-    if (r == rank_) continue;
+  for (int r = 0; r < world_; ++r) {  // this rank too: its own registration reads the same way
     peers[size_t(r)] = make(r, offsets[size_t(r)]);
     TORCH_CHECK(offsets[size_t(r)] >= 0 && offsets[size_t(r)] + layout_.bytes() <= peers[size_t(r)]->arena_bytes(),
                 "cam KVTransfer on rank ", rank_, ": rank ", r, "'s control block offset ", offsets[size_t(r)],
@@ -125,12 +124,6 @@ void KVTransfer::connect(const std::vector<int64_t>& offsets) {
   const SymmetricHeap& heap = engine_->heap();
   const int64_t cap = engine_->config().tensor_heap_bytes;
   connect(offsets, [&](int r, int64_t off) { return std::make_unique<MappedKVPeer>(heap, r, off, cap); });
-}
-
-char* KVTransfer::mapped_arena(int peer) const {
-  TORCH_CHECK_VALUE(peer >= 0 && peer < world_ && peer != rank_ && size_t(peer) < peers_.size(),
-                    "cam KVTransfer on rank ", rank_, ": peer ", peer, " is not another rank of the group of ", world_);
-  return peers_[size_t(peer)]->mapped_arena();
 }
 
 uint64_t KVTransfer::register_pools(const std::vector<at::Tensor>& pools, const KVLayoutDesc& layout) {

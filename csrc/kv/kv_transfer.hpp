@@ -98,8 +98,6 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   void connect(const std::vector<int64_t>& offsets, const PeerMaker& make);
   // A group on one host: every peer through the engine's heap.
   void connect(const std::vector<int64_t>& offsets);
-  // Where the peer's arena is mapped here; null when it is on another host.
-  char* mapped_arena(int peer) const;
 
   // Publishes this rank's pools (one heap tensor per layer). Returns the new version.
   uint64_t register_pools(const std::vector<at::Tensor>& pools, const KVLayoutDesc& layout);
@@ -153,7 +151,7 @@ class KVTransfer : public std::enable_shared_from_this<KVTransfer> {
   KVControlLayout layout_;
   char* control_;  // this rank's control block, in its tensor arena
   int64_t control_offset_;
-  std::vector<std::unique_ptr<KVPeer>> peers_;  // null for this rank
+  std::vector<std::unique_ptr<KVPeer>> peers_;  // every rank's, this one's included (mapped)
 
   std::mutex register_mu_;
   std::shared_ptr<const std::vector<at::Tensor>> pools_;  // this rank's registered pools
