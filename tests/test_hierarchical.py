@@ -139,6 +139,32 @@ def _kv_dead_peer(rank, world, init_file, hosts):
     return check_kv_dead_peer(rank, world, timeout_s=30)
 
 
+def _p2p_across_hosts(rank, world, init_file, hosts):
+    """Point-to-point between hosts over UCX: strided tensors, a message longer and one shorter
+    than the receiving tensor (the receiver raises naming both sizes, the group stays usable),
+    then a receive from a rank that dies."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    out = {}
+    if rank == 0:
+        dist.send(torch.arange(12.0).view(3, 4).t(), 2)  # strided on the sending side
+        dist.send(torch.ones(8), 2, tag=1)
+        dist.send(torch.ones(2), 2, tag=2)
+    elif rank == 2:
+        got = torch.empty(3, 8)[:, :4].t()  # strided on the receiving side
+        dist.recv(got, 0)
+        out["strided"] = torch.equal(got, torch.arange(12.0).view(3, 4).t())
+        for tag in (1, 2):
+            out[tag] = _timed_raise(lambda: dist.recv(torch.empty(4), 0, tag=tag))
+    t = torch.ones(3)
+    dist.all_reduce(t)  # still usable
+    out["usable"] = bool(torch.all(t == world))
+    if rank == 3:
+        os._exit(1)
+    if rank == 1:
+        out["dead"] = _timed_raise(lambda: dist.recv(torch.empty(4), 3, tag=9))
+    return out
+
+
 def _have_ucx():
     import torch_cam
     return torch_cam._C.ucx_version is not None
@@ -272,6 +298,26 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
 
     def test_kv_three_hosts_of_one(self):
         self._run([0, 1, 2], _kv)
+
+    def test_p2p_across_hosts_errors_and_dead_peer(self):
+        results = self.run_ranks(_p2p_across_hosts, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
+        for r in (0, 1, 2):
+            self.assertEqual(results[r][0], "ok", results[r][1])
+            self.assertTrue(results[r][1]["usable"], f"rank {r}: the group failed after a refused recv")
+        got = results[2][1]
+        self.assertTrue(got["strided"])
+        for tag, want in ((1, "rank 0 sent more than the 16 bytes this rank expects"),
+                          (2, "rank 0 sent 8 bytes, this rank expects 16")):
+            how, took, msg = got[tag]
+            self.assertEqual(how, "raised", f"tag {tag}")
+            self.assertIn(want, msg)
+            self.assertIn("cam recv from rank 0", msg)
+            self.assertLess(took, 5.0)
+        how, took, msg = results[1][1]["dead"]
+        self.assertEqual(how, "raised")
+        self.assertIn("rank 3", msg)
+        self.assertIn("UCX endpoint failed", msg)
+        self.assertLess(took, 10.0, msg)
 
     def test_kv_dead_peer_on_another_host(self):
         before = set(cam_segments())

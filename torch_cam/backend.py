@@ -76,10 +76,11 @@ def _inter_host_engine(opts: Options) -> str:
 
 
 def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], names: list[str]):
-    """A group across hosts: cam over each host's ranks and, between hosts, UCX's one-sided
-    operations (or torch's gloo where this build has no UCX, and always for point-to-point) over
-    all ranks, over the rails of equal local index and over the hosts' leaders; the native
-    HierarchicalBackend composes them. Every rank builds the parts in the same order."""
+    """A group across hosts: cam over each host's ranks and, between hosts, UCX (one-sided
+    operations for collectives, tagged messages for point-to-point; torch's gloo for both where
+    this build has no UCX) over all ranks, over the rails of equal local index and over the
+    hosts' leaders; the native HierarchicalBackend composes them. Every rank builds the parts in
+    the same order."""
     store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
     timeout = dist_backend_opts.timeout
     group_id, desc = str(dist_backend_opts.group_id), _describe_group(dist_backend_opts)
@@ -99,8 +100,14 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, n, timeout=timeout)
 
     rank_hosts = [host_names[h] for h in hm["host_of"]]
-    all_ranks = dist.ProcessGroupGloo(dist.PrefixStore("cam_all/", store), rank, size, timeout=timeout)
-    collectives = inter("cam_all_ucx/", rank, size, rank_hosts, "all ranks") if engine == "ucx" else None
+    if engine == "ucx":
+        all_ranks = None
+        collectives = inter("cam_all_ucx/", rank, size, rank_hosts, "all ranks")
+        p2p = _C.UcxP2PBackend(dist.PrefixStore("cam_p2p_ucx/", store), rank, size, timeout.total_seconds(),
+                               opts.to_native(), f"{desc} (point-to-point)", rank_hosts)
+    else:
+        all_ranks = dist.ProcessGroupGloo(dist.PrefixStore("cam_all/", store), rank, size, timeout=timeout)
+        collectives = p2p = None
     rail = inter(f"cam_rail{local_rank}/", host, len(hosts), host_names, f"rail {local_rank}") if uniform else None
     if local_rank != 0:
         leaders = None
@@ -108,7 +115,7 @@ def _create_hierarchical(dist_backend_opts, opts: Options, keys: list[str], name
         leaders = rail
     else:
         leaders = inter("cam_leaders/", host, len(hosts), host_names, "host leaders")
-    return _C.HierarchicalBackend(rank, size, keys, names, local, all_ranks, collectives, rail, leaders, store,
+    return _C.HierarchicalBackend(rank, size, keys, names, local, all_ranks, collectives, rail, leaders, p2p, store,
                                   f"{desc} on hosts {', '.join(host_names)}")
 
 

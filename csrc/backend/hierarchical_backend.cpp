@@ -119,10 +119,12 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
       group_desc_(std::move(group_desc)) {
   TORCH_CHECK(int(map_.host_of.size()) == size && map_.hosts() > 1, "cam: a hierarchical group needs a host map of ",
               size, " ranks on more than one host");
-  TORCH_CHECK(inter_.all, "cam: a hierarchical group needs an inter-host backend over every rank");
+  TORCH_CHECK(inter_.all || (inter_.collectives && inter_.p2p),
+              "cam: a hierarchical group needs inter-host backends over every rank");
   TORCH_CHECK(!leader() || inter_.leaders, "cam: the leader of a host needs the leaders' backend");
   TORCH_CHECK(!map_.uniform() || inter_.rail, "cam: uniform hosts need a rail backend");
   if (!inter_.collectives) inter_.collectives = inter_.all;
+  if (!inter_.p2p) inter_.p2p = inter_.all;
   // A one-sided engine's waits run on this worker inside the step: they read the failure key
   // themselves.
   for (auto* b : {inter_.collectives.get(), inter_.rail.get(), inter_.leaders.get()})
@@ -248,14 +250,14 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::send(std::vector<at::Tensor>
   TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "cam send on rank ", rank_, " of group ", group_desc_,
               ": peer ", dst, " is not another rank of the group (size ", size_, ")");
   if (map_.host_of[dst] == my_host()) return local_->send(tensors, map_.local_of[dst], tag);
-  return inter_.all->send(tensors, dst, tag);
+  return inter_.p2p->send(tensors, dst, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "cam recv on rank ", rank_, " of group ", group_desc_,
               ": peer ", src, " is not another rank of the group (size ", size_, ")");
   if (map_.host_of[src] == my_host()) return local_->recv(tensors, map_.local_of[src], tag);
-  return inter_.all->recv(tensors, src, tag);
+  return inter_.p2p->recv(tensors, src, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at::Tensor>&, int) {

@@ -4,13 +4,14 @@
 // the ops run over c10d backends that the Python creator makes on the group's store (OneSidedBackend
 // where the build has UCX; torch's gloo, the fallback that needs nothing installed, otherwise
 // and for point-to-point):
-//   all     every rank of the group: point-to-point to other hosts
+//   all     every rank of the group (gloo; null when collectives and p2p are given)
 //   collectives  every rank of the group: gather, scatter, all_to_all (null: `all`)
+//   p2p     every rank of the group: point-to-point to other hosts (UcxP2PBackend; null: `all`)
 //   rail    the ranks of one local index on every host, when every host has as many ranks
 //   leaders local index 0 of every host (rail 0 when hosts are uniform, its own group otherwise)
 // Collectives are compositions of inner and inter-host steps (hierarchical_collectives.cpp
 // states each), run in issue order on one worker thread; the Work completes after the last
-// step. Point-to-point goes straight to the inner backend (same host) or to `all`.
+// step. Point-to-point goes straight to the inner backend (same host) or to `p2p`.
 //
 // Results are bit-identical on every rank: each output element is computed on one rank and
 // copied to the others. Reduction order: cam's order over a host's ranks, then the inter-host
@@ -57,6 +58,7 @@ class HierarchicalBackend : public c10d::Backend {
     c10::intrusive_ptr<c10d::Backend> collectives;  // every rank; null: all
     c10::intrusive_ptr<c10d::Backend> rail;     // uniform hosts only; else null
     c10::intrusive_ptr<c10d::Backend> leaders;  // on local index 0 only; else null
+    c10::intrusive_ptr<c10d::Backend> p2p;      // every rank: point-to-point to other hosts; null: all
   };
   HierarchicalBackend(int rank, int size, HostMap map, c10::intrusive_ptr<CamBackend> local, InterHost inter,
                       c10::intrusive_ptr<c10d::Store> store, std::string group_desc);

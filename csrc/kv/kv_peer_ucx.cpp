@@ -1,7 +1,5 @@
 #include "kv_peer_ucx.hpp"
 
-#include <poll.h>
-
 #include "../core/errors.hpp"
 
 namespace cam::kv {
@@ -9,26 +7,20 @@ namespace cam::kv {
 // ---- the link ----
 
 UcxKVLink::UcxKVLink(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts, char* arena, int64_t arena_bytes)
-    : interval_ms_(opts.liveness_interval_ms) {
-  opts.lost_peer_fails_waits = false;
-  transport_ = std::make_unique<UcxTransport>(store, opts);
-  // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
-  // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
-  region_ = transport_->register_memory(arena, size_t(arena_bytes));
-  // Serve before publishing: a peer may read this arena as soon as it has the record.
-  server_ = std::thread([this] { serve(); });
+    : ucx_(std::make_unique<SharedUcx>(store, std::move(opts))) {
   try {
+    // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
+    // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
+    region_ = locked([&](UcxTransport& t) { return t.register_memory(arena, size_t(arena_bytes)); });
     publish_and_read(*store, arena, arena_bytes);
-  } catch (...) {  // the destructor does not run for a half-built link: stop the server here
-    stop_.store(true);
-    transport_->wake();
-    server_.join();
+  } catch (...) {  // the destructor does not run for a half-built link
+    release();
     throw;
   }
 }
 
 void UcxKVLink::publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes) {
-  const int n = transport_->size(), me = transport_->rank();
+  const int n = ucx_->options().size, me = ucx_->options().rank;
   std::vector<uint8_t> record;
   append_u64(record, uint64_t(arena));
   append_u64(record, uint64_t(arena_bytes));
@@ -46,29 +38,14 @@ void UcxKVLink::publish_and_read(c10d::Store& store, char* arena, int64_t arena_
   }
 }
 
-UcxKVLink::~UcxKVLink() {
-  stop_.store(true);
-  transport_->wake();
-  if (server_.joinable()) server_.join();
-  for (auto& p : peers_) p.key.reset();
-  region_.reset();
-  transport_.reset();
+void UcxKVLink::release() {
+  locked([&](UcxTransport&) {
+    peers_.clear();
+    region_.reset();
+  });
 }
 
-void UcxKVLink::serve() {
-  const int fd = transport_->event_fd();
-  while (!stop_.load(std::memory_order_relaxed)) {
-    bool armed;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      armed = transport_->drain_and_arm();
-    }
-    if (!armed) continue;  // events were queued: progress them first
-    // Woken by arriving traffic or by wake(); the interval bounds a missed wakeup.
-    pollfd pfd{fd, POLLIN, 0};
-    ::poll(&pfd, 1, int(interval_ms_));
-  }
-}
+UcxKVLink::~UcxKVLink() { release(); }
 
 // ---- a peer on another host ----
 

@@ -1,26 +1,20 @@
 // The UCX side of a KVTransfer whose group spans hosts (kv_peer.hpp says what a peer must do).
 //
-// UcxKVLink: one UcxTransport over every rank of the group; this rank's tensor arena (its pools
-// and its control block live there) registered with it once; every rank's arena address, size
-// and key, exchanged through the group's store; and a server thread. Over TCP a peer's get or
-// put on this rank's memory is carried out by this rank's progress, and a decode rank computes
-// while a prefill rank pushes into it, so the server thread progresses the worker whenever
-// traffic arrives (it sleeps on the worker's event descriptor, at most one liveness interval,
-// and burns no core). The transport is used by one thread at a time: every operation runs under
-// the link's lock, issued and completed inside it, then wakes the server to re-arm.
-//
-// A lost peer fails only the transfers addressed to it (UcxOptions::lost_peer_fails_waits off).
+// UcxKVLink: a SharedUcx over every rank of the group (its server thread carries out peers'
+// gets and puts on this rank's memory while the owner computes), this rank's tensor arena
+// registered with it once (its pools and its control block live there), and every rank's
+// arena address, size and key, exchanged through the group's store. Each operation of a
+// UcxKVPeer is issued and completed under the link's lock. A lost peer fails only the
+// transfers addressed to it.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <atomic>
 #include <memory>
-#include <mutex>
-#include <thread>
+#include <utility>
 #include <vector>
 
-#include "../transport/ucx_transport.hpp"
+#include "../transport/ucx_shared.hpp"
 #include "kv_peer.hpp"
 
 namespace cam::kv {
@@ -38,31 +32,19 @@ class UcxKVLink {
     std::unique_ptr<RemoteKey> key;
   };
   const PeerArena& arena(int peer) const { return peers_.at(size_t(peer)); }
-  int rank() const { return transport_->rank(); }
-
-  // Runs f(transport) under the lock; the server re-arms after it.
   template <class F>
   auto locked(F&& f) {
-    struct Wake {
-      UcxTransport& t;
-      ~Wake() { t.wake(); }
-    } wake{*transport_};
-    std::lock_guard<std::mutex> lk(mu_);
-    return f(*transport_);
+    return ucx_->locked(std::forward<F>(f));
   }
 
  private:
-  void serve();
   // Publishes this rank's arena record in the store and reads every peer's.
   void publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes);
+  void release();  // keys and registration, under the lock (the server may be progressing)
 
-  std::unique_ptr<UcxTransport> transport_;
+  std::unique_ptr<SharedUcx> ucx_;
   std::unique_ptr<MemoryRegion> region_;
   std::vector<PeerArena> peers_;
-  int64_t interval_ms_;
-  std::mutex mu_;
-  std::atomic<bool> stop_{false};
-  std::thread server_;
 };
 
 // A peer on another host (peer: its rank in the group).

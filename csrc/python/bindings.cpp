@@ -10,6 +10,7 @@
 #include "../backend/one_sided_backend.hpp"
 #include "../transport/loopback_transport.hpp"
 #ifdef CAM_HAVE_UCX
+#include "../backend/ucx_p2p_backend.hpp"
 #include "../transport/ucx_transport.hpp"
 #endif
 #include "../transport/heap_allocator.hpp"
@@ -17,6 +18,26 @@
 #include "../../kernels/copy.hpp"
 
 namespace py = pybind11;
+
+#ifdef CAM_HAVE_UCX
+namespace {
+// The UCX settings of an inter-host part of a spanning group, from the group's cam options.
+cam::UcxOptions ucx_options(int rank, int size, double timeout_s, const std::map<std::string, std::string>& options,
+                            const std::string& group_desc, const std::vector<std::string>& names) {
+  auto config = cam::CamConfig::from_map(options, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
+  config.validate(size);
+  cam::UcxOptions o;
+  o.rank = rank;
+  o.size = size;
+  o.timeout = config.timeout;
+  o.liveness_interval_ms = config.liveness_interval_ms;
+  o.spin_us = config.spin_us;
+  o.group_desc = group_desc;
+  o.names = names;
+  return o;
+}
+}  // namespace
+#endif
 
 void bind_kv(py::module& m);  // kv_bindings.cpp
 void bind_afd(py::module& m);  // afd_bindings.cpp
@@ -217,15 +238,15 @@ PYBIND11_MODULE(_C, m) {
                        const c10::intrusive_ptr<c10d::Backend>& all,
                        const c10::intrusive_ptr<c10d::Backend>& collectives,
                        const c10::intrusive_ptr<c10d::Backend>& rail,
-                       const c10::intrusive_ptr<c10d::Backend>& leaders, const c10::intrusive_ptr<c10d::Store>& store,
-                       const std::string& group_desc) {
+                       const c10::intrusive_ptr<c10d::Backend>& leaders, const c10::intrusive_ptr<c10d::Backend>& p2p,
+                       const c10::intrusive_ptr<c10d::Store>& store, const std::string& group_desc) {
              return c10::make_intrusive<cam::HierarchicalBackend>(
                  rank, size, cam::HostMap::from_keys(host_keys, host_names), local,
-                 cam::HierarchicalBackend::InterHost{all, collectives, rail, leaders}, store, group_desc);
+                 cam::HierarchicalBackend::InterHost{all, collectives, rail, leaders, p2p}, store, group_desc);
            }),
            py::arg("rank"), py::arg("size"), py::arg("host_keys"), py::arg("host_names"), py::arg("local"),
-           py::arg("all"), py::arg("collectives"), py::arg("rail"), py::arg("leaders"), py::arg("store"),
-           py::arg("group_desc"))
+           py::arg("all"), py::arg("collectives"), py::arg("rail"), py::arg("leaders"), py::arg("p2p"),
+           py::arg("store"), py::arg("group_desc"))
       .def_property_readonly("host_names", [](const cam::HierarchicalBackend& b) { return b.host_map().names; })
       .def_property_readonly("inter_host_engine", &cam::HierarchicalBackend::inter_host_engine,
                              "The engine of its collectives between hosts: \"cam-ucx\" or \"gloo\"")
@@ -263,22 +284,25 @@ PYBIND11_MODULE(_C, m) {
           [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
              const std::map<std::string, std::string>& options, const std::string& group_desc,
              const std::vector<std::string>& names) {
-            auto config = cam::CamConfig::from_map(options, std::chrono::milliseconds(int64_t(timeout_s * 1000.0)));
-            config.validate(size);
-            cam::UcxOptions o;
-            o.rank = rank;
-            o.size = size;
-            o.timeout = config.timeout;
-            o.liveness_interval_ms = config.liveness_interval_ms;
-            o.spin_us = config.spin_us;
-            o.group_desc = group_desc;
-            o.names = names;
+            const cam::UcxOptions o = ucx_options(rank, size, timeout_s, options, group_desc, names);
             return c10::make_intrusive<cam::OneSidedBackend>(std::make_unique<cam::UcxTransport>(store, o));
           },
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>())
 #endif
       ;
+#ifdef CAM_HAVE_UCX
+  py::class_<cam::UcxP2PBackend, c10d::Backend, c10::intrusive_ptr<cam::UcxP2PBackend>>(
+      m, "UcxP2PBackend", "Point-to-point between the hosts of a spanning group, over UCX's tagged messages")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+                       const std::map<std::string, std::string>& options, const std::string& group_desc,
+                       const std::vector<std::string>& names) {
+             return c10::make_intrusive<cam::UcxP2PBackend>(
+                 store, ucx_options(rank, size, timeout_s, options, group_desc, names));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
+           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
+#endif
 #ifdef CAM_HAVE_UCX
   m.attr("ucx_version") = cam::ucx_version();
 #else

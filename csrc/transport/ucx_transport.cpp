@@ -80,7 +80,7 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   if (s != UCS_OK) raise(what, "cannot read UCX's configuration: " + status_text(s));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP | (opts_.tagged ? UCP_FEATURE_TAG : 0);
   s = ucp_init(&params, config, &ctx_);
   ucp_config_release(config);
   if (s != UCS_OK) raise(what, "cannot create a UCX context: " + status_text(s));
@@ -258,6 +258,62 @@ void UcxTransport::complete(const std::string& what) {
         return true;
       },
       what, [&] { return str(pending_.size(), " operations to complete"); });
+}
+
+// ---- tagged messages ----
+
+UcxTagged UcxTransport::send_tagged(int peer, const void* buf, size_t bytes, uint64_t tag) {
+  UcxTagged t{nullptr, std::make_shared<UcxTagged::Completion>()};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.send = [](void*, ucs_status_t status, void* user) {
+    auto* c = static_cast<UcxTagged::Completion*>(user);
+    c->status = int(status);
+    c->done = true;
+  };
+  rp.user_data = t.completion.get();
+  void* r = ucp_tag_send_nbx(peers_.at(size_t(peer))->ep, buf, bytes, tag, &rp);
+  if (UCS_PTR_IS_ERR(r))
+    raise("cam UCX send", str("the send to rank ", peer, " (", peer_name(peer), ") failed: ",
+                              status_text(UCS_PTR_STATUS(r))));
+  t.request = r;
+  if (r == nullptr) t.completion->done = true;  // completed when issued (no callback then)
+  return t;
+}
+
+UcxTagged UcxTransport::recv_tagged(void* buf, size_t bytes, uint64_t tag, uint64_t mask) {
+  UcxTagged t{nullptr, std::make_shared<UcxTagged::Completion>()};
+  ucp_request_param_t rp{};
+  // Always through the callback: an immediate completion did not report the length (UCX 1.13).
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  rp.cb.recv = [](void*, ucs_status_t status, const ucp_tag_recv_info_t* got, void* user) {
+    auto* c = static_cast<UcxTagged::Completion*>(user);
+    c->status = int(status);
+    c->length = got != nullptr ? got->length : 0;
+    c->done = true;
+  };
+  rp.user_data = t.completion.get();
+  void* r = ucp_tag_recv_nbx(worker_, buf, bytes, tag, mask, &rp);
+  if (UCS_PTR_IS_ERR(r)) raise("cam UCX receive", status_text(UCS_PTR_STATUS(r)));
+  t.request = r;
+  return t;
+}
+
+bool UcxTransport::tagged_done(const UcxTagged& t, std::string* error, size_t* received) {
+  if (!t.completion->done) return false;
+  *received = t.completion->length;
+  *error = t.completion->status == int(UCS_OK) ? std::string() : status_text(ucs_status_t(t.completion->status));
+  return true;
+}
+
+void UcxTransport::cancel(const UcxTagged& t) {
+  if (t.request != nullptr && !t.completion->done) ucp_request_cancel(worker_, t.request);
+}
+
+void UcxTransport::release(UcxTagged& t) {
+  if (t.request == nullptr) return;
+  ucp_request_free(t.request);
+  t.request = nullptr;
 }
 
 // ---- the control window ----

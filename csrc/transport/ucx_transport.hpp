@@ -60,6 +60,19 @@ struct UcxOptions {
   // Whether any peer's lost endpoint fails every wait (collectives: the group is broken). When
   // false, only the operations addressed to that peer fail (KV transfers are per peer).
   bool lost_peer_fails_waits = true;
+  bool tagged = false;  // also tagged messages (send_tagged / recv_tagged)
+};
+
+// A tagged send or receive: its UCX request (null: completed when issued) and what UCX's
+// completion callback recorded (written under the transport's progress).
+struct UcxTagged {
+  struct Completion {
+    bool done = false;
+    int status = 0;     // a ucs_status_t
+    size_t length = 0;  // a receive: the bytes that arrived
+  };
+  void* request = nullptr;
+  std::shared_ptr<Completion> completion;
 };
 
 // Registered local memory: what a peer needs to read or write it (its packed rkey).
@@ -121,6 +134,18 @@ class UcxTransport : public OneSidedTransport {
   void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
   void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
   void fence();
+
+  // Tagged messages (UcxOptions::tagged), matched by the receiver on (tag & mask), in order per
+  // sender and tag; non-blocking. The buffer must stay valid until the request is done.
+  UcxTagged send_tagged(int peer, const void* buf, size_t bytes, uint64_t tag);
+  UcxTagged recv_tagged(void* buf, size_t bytes, uint64_t tag, uint64_t mask);
+  // Whether it is done; then `error` says why it failed ("" on success) and, for a receive,
+  // `received` how many bytes arrived.
+  bool tagged_done(const UcxTagged& t, std::string* error, size_t* received);
+  // Asks UCX to stop a request still in flight (a receive then completes as cancelled).
+  void cancel(const UcxTagged& t);
+  // Releases it (one still in flight completes in the background: its buffer must outlive it).
+  void release(UcxTagged& t);
 
   // Why the peer's endpoint failed ("" while it has not).
   std::string peer_failure(int peer) const;

@@ -1,0 +1,56 @@
+// UcxP2PBackend: point-to-point between hosts of a group that spans hosts (the
+// HierarchicalBackend sends to ranks of other hosts through it), over UCX's tagged messages.
+//
+// Contract:
+//   - send(t, dst, tag) and recv(t, src, tag) match on (sender, tag), in order per sender and
+//     tag, as c10d promises; a message moves straight from the sender's tensor into the
+//     receiver's (a non-contiguous tensor goes through a contiguous copy).
+//   - Both return at once; SharedUcx's server thread progresses the transfer while the caller
+//     computes, so a send completes without its sender waiting (a rendezvous needs both sides).
+//   - wait() has the group's deadline (or the one given) and raises, naming op, rank and peer:
+//     when the message is longer or shorter than the receiving tensor ("rank 2 sent 400 bytes,
+//     this rank expects 800"), when the peer's endpoint fails (it died or its host is down),
+//     or at the deadline.
+//   - A Work dropped before it completes leaves its request and tensor with the backend until
+//     UCX is done with them (a receive is cancelled first): no buffer is freed under UCX.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "../transport/ucx_shared.hpp"
+
+namespace cam {
+
+class UcxP2PBackend : public c10d::Backend {
+ public:
+  UcxP2PBackend(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts);
+  ~UcxP2PBackend() override;
+
+  const std::string getBackendName() const override { return "cam-ucx-p2p"; }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+
+  // A request whose Work was dropped in flight, kept until UCX has finished with its tensor.
+  struct Orphan {
+    UcxTagged request;
+    at::Tensor tensor;
+  };
+  struct State {
+    std::mutex orphans_mu;
+    std::vector<Orphan> orphans;  // declared before ucx: their tensors outlive the worker
+    SharedUcx ucx;
+    State(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts) : ucx(std::move(store), std::move(opts)) {}
+    void sweep();  // releases the orphans UCX is done with
+  };
+
+ private:
+  at::Tensor checked(std::vector<at::Tensor>& tensors, const char* op, int peer) const;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace cam
