@@ -31,7 +31,9 @@ class UcxP2PWork : public c10d::Work {
     if (finished_) return true;
     std::string error;
     size_t received = 0;
-    return state_->ucx.locked([&](UcxTransport& t) { return t.tagged_done(request_, &error, &received); });
+    if (!state_->ucx.locked([&](UcxTransport& t) { return t.tagged_done(request_, &error, &received); })) return false;
+    finish(error, received);
+    return true;
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -49,21 +51,24 @@ class UcxP2PWork : public c10d::Work {
     std::string error;
     size_t received = 0;
     while (true) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       const bool done = state_->ucx.wait_for(
           [&](UcxTransport& t) { return t.tagged_done(request_, &error, &received); },
           std::clamp(left, std::chrono::milliseconds(0), interval));
-      if (done) {
-        state_->ucx.locked([&](UcxTransport& t) { t.release(request_); });
-        finished_ = true;
-        error_ = outcome(error, received);
-        if (error_.empty() && buffer_.data_ptr() != user_.data_ptr()) user_.copy_(buffer_);
-        return;
-      }
+      if (done) return finish(error, received);
       const std::string lost = state_->ucx.locked([&](UcxTransport& t) { return t.peer_failure(peer_); });
       if (!lost.empty()) return fail(str("rank ", peer_, " ", lost));
       if (std::chrono::steady_clock::now() >= deadline) return fail(str("timeout after ", limit.count(), " ms"));
     }
+  }
+
+  // The request is done: release it, judge it, and give a strided receiver its bytes.
+  void finish(const std::string& error, size_t received) {
+    state_->ucx.locked([&](UcxTransport& t) { t.release(request_); });
+    finished_ = true;
+    error_ = outcome(error, received);
+    if (error_.empty() && buffer_.data_ptr() != user_.data_ptr()) user_.copy_(buffer_);
   }
 
   std::string outcome(const std::string& error, size_t received) const {
