@@ -13,6 +13,7 @@ import torch.distributed as dist
 from cam_testing import assert_all_ok, cam_segments, run_ranks
 from hierarchical_checks import check_all
 from kv_across_hosts_checks import check_kv, check_kv_dead_peer
+from moe_across_hosts_checks import check_moe, check_moe_dead_peer
 
 DEADLINE_S = 240
 
@@ -64,8 +65,7 @@ def _extensions_refuse(rank, world, init_file, hosts):
     try:
         t = torch_cam.empty(4)  # in this host's heap
         assert torch_cam.is_heap_tensor(t), "torch_cam.empty on a group across hosts is not in the host's heap"
-        for what, call in (("all_reduce_", lambda: torch_cam.all_reduce_(torch.ones(2))),
-                           ("Buffer", lambda: torch_cam.Buffer(dist.group.WORLD, 1 << 20))):
+        for what, call in (("all_reduce_", lambda: torch_cam.all_reduce_(torch.ones(2))),):
             try:
                 call()
             except RuntimeError as e:
@@ -132,6 +132,19 @@ def _kv(rank, world, init_file, hosts):
         return check_kv(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _moe(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=120)
+    try:
+        return check_moe(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _moe_dead_peer(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=20)
+    return check_moe_dead_peer(rank, world, timeout_s=20)
 
 
 def _kv_dead_peer(rank, world, init_file, hosts):
@@ -275,6 +288,24 @@ class _HierarchicalCases:
             self.assertLess(took, 4 + 6, f"rank {r} took {took:.1f} s: {msg}")
         self.assertTrue(any("timeout after 4000 ms" in results[r][1][2] for r in (0, 1, 2)),
                         [results[r][1][2] for r in (0, 1, 2)])
+
+    # MoE dispatch / combine and the Buffer run over the group's collectives.
+    def test_moe_two_hosts_of_two(self):
+        self._run([0, 0, 1, 1], _moe)
+
+    def test_moe_three_hosts_of_one(self):
+        self._run([0, 1, 2], _moe)
+
+    def test_moe_dead_rank_raises_on_every_host(self):
+        before = set(cam_segments())
+        results = self.run_ranks(_moe_dead_peer, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
+        for r in (0, 1, 2):
+            status, value = results[r]
+            self.assertEqual(status, "ok", value)
+            how, took, msg = value
+            self.assertEqual(how, "raised", f"rank {r} took {took:.1f} s: {msg}")
+            self.assertIn(f"cam moe_dispatch on rank {r}", msg)
+        self.assertEqual(set(cam_segments()) - before, set())
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())

@@ -2,7 +2,8 @@
 # Groups across simulated hosts (namespaces made by the team's multihost.sh: own network,
 # hostname, /dev/shm, PID namespace and boot id per host; between hosts UCX over TCP where the
 # build has it, and again gloo, the fallback of a build without UCX): every collective and point-to-point op at 2 hosts x 2 ranks and 3 hosts x 1 rank
-# checked against the reference, KV transfer (push, pull) between hosts over UCX, and a rank that
+# checked against the reference, MoE dispatch / combine and the Buffer with experts on every
+# host, KV transfer (push, pull) between hosts over UCX, and a rank that
 # dies on one host makes the ranks of every host raise; nothing may be left in any host's /dev/shm.
 #   bash tests/test_multihost.sh [python]      (default .venv/bin/python)
 # Needs root (namespaces); skips with a message where it is not root or has no multihost.sh
@@ -41,10 +42,13 @@ for engine in $engines; do
   check 3 1 tests/multihost/check_collectives.py
   check 2 2 tests/multihost/check_dead_rank.py
   check 3 1 tests/multihost/check_dead_rank.py
+  check 2 2 tests/multihost/check_moe.py  # over the group's collectives: both engines
+  check 3 1 tests/multihost/check_moe.py
   if [ "$engine" = ucx ]; then  # KV between hosts is UCX's whatever engine the collectives use
     check 2 2 tests/multihost/check_kv.py
     check 3 1 tests/multihost/check_kv.py
     check 2 2 tests/multihost/check_kv.py --dead-peer
+    check 2 2 tests/multihost/check_moe.py --dead-peer
   fi
 done
 exit $status

@@ -27,7 +27,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .backend import get_cam_backend
+from .moe_hosts import moe_backend
 
 __all__ = [
     "moe_distribute_dispatch", "moe_distribute_combine",
@@ -204,7 +204,7 @@ def _dispatch(op, x, expert_ids, group_ep, ep_world_size, ep_rank_id, moe_expert
               shared_expert_num, shared_expert_rank_num, quant_mode, global_bs,
               expert_token_nums_type, special=0, v2=False, performance_info=None):
     pg = resolve_group(group_ep)
-    backend = get_cam_backend(pg)
+    backend = moe_backend(pg)
     W, rank = pg.size(), pg.rank()
     S = int(shared_expert_rank_num)
     M = int(moe_expert_num)
@@ -346,7 +346,7 @@ def moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_rank_i
     (int64, one entry per EP rank) accumulates the microseconds this rank waited for each
     peer to arrive."""
     if elastic_info is not None:
-        _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_dispatch_v2",
+        _fail_collectively(moe_backend(resolve_group(group_ep)), "moe_distribute_dispatch_v2",
                            "elastic_info (elastic EP shrink) is not supported")
     if torch.compiler.is_compiling():
         return _ops().dispatch_result(torch.ops.torch_cam.moe_distribute_dispatch_v2(
@@ -377,7 +377,7 @@ def _combine(op, expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales
              const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None,
              performance_info=None):
     pg = resolve_group(group_ep)
-    backend = get_cam_backend(pg)
+    backend = moe_backend(pg)
     W, rank = pg.size(), pg.rank()
     S, M = int(shared_expert_rank_num), int(moe_expert_num)
     c = _Checks(op, rank)
@@ -548,7 +548,7 @@ def moe_distribute_combine_v2(expand_x, expert_ids, assist_info_for_combine, ep_
     special experts: zero adds nothing, copy adds ``w * ori_x``, const ``c`` adds
     ``w * (alpha_1[c] * ori_x + alpha_2[c] * v[c])``."""
     if elastic_info is not None:
-        _fail_collectively(get_cam_backend(resolve_group(group_ep)), "moe_distribute_combine_v2",
+        _fail_collectively(moe_backend(resolve_group(group_ep)), "moe_distribute_combine_v2",
                            "elastic_info (elastic EP shrink) is not supported", combine=True)
     if torch.compiler.is_compiling():
         return torch.ops.torch_cam.moe_distribute_combine_v2(

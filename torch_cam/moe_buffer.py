@@ -19,9 +19,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .backend import get_cam_backend
 from .heap import empty as heap_empty
 from .moe import occurrence_index, segments_table
+from .moe_hosts import HostsMoe, moe_backend
 
 __all__ = ["Buffer", "EventOverlap", "Config"]
 
@@ -104,7 +104,7 @@ class Buffer:
         if enable_shrink:
             raise ValueError("cam Buffer: enable_shrink (masking failed ranks) is not supported")
         self.group = group
-        self.backend = get_cam_backend(group)
+        self.backend = moe_backend(group)
         self.rank, self.group_size = group.rank(), group.size()
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -189,13 +189,17 @@ class Buffer:
             rank_prefix_matrix, _, _, _, is_token_in_rank, send_pos = handle
             topk_idx = topk_weights = None
         else:
-            if is_token_in_rank is None or topk_idx is None:
-                self.backend.refuse("all_gather", "Buffer.dispatch", "pass is_token_in_rank and topk_idx "
-                                    "(from get_dispatch_layout) or a handle")
-            counts = is_token_in_rank.sum(dim=0).to(torch.int32)
+            missing = "" if is_token_in_rank is not None and topk_idx is not None else \
+                "pass is_token_in_rank and topk_idx (from get_dispatch_layout) or a handle"
+            counts = None if missing else is_token_in_rank.sum(dim=0).to(torch.int32)
             # The counts phase: every rank learns how many rows each rank sends each rank.
-            gathered = torch.empty(R * R, dtype=torch.int32)
-            dist.all_gather_into_tensor(gathered, counts, group=self.group)
+            if isinstance(self.backend, HostsMoe):
+                gathered = self.backend.all_gather_counts("Buffer.dispatch", counts, missing).view(-1)
+            else:
+                if missing:
+                    self.backend.refuse("all_gather", "Buffer.dispatch", missing)
+                gathered = torch.empty(R * R, dtype=torch.int32)
+                dist.all_gather_into_tensor(gathered, counts, group=self.group)
             rank_prefix_matrix = gathered.view(R, R).cumsum(dim=0).to(torch.int32)
             before = torch.cat([torch.zeros(1, R, dtype=torch.int32), rank_prefix_matrix[:-1]])[me]
             send_pos = torch.where(is_token_in_rank,

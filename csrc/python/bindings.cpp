@@ -41,6 +41,7 @@ cam::UcxOptions ucx_options(int rank, int size, double timeout_s, const std::map
 
 void bind_kv(py::module& m);  // kv_bindings.cpp
 void bind_afd(py::module& m);  // afd_bindings.cpp
+void bind_moe_rows(py::module& m);  // moe_row_bindings.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "torch_cam native backend";
@@ -184,6 +185,7 @@ PYBIND11_MODULE(_C, m) {
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   bind_kv(m);
   bind_afd(m);
+  bind_moe_rows(m);
   // 64-bit signals in shared tensors (extensions' control blocks): a release store after the
   // data it publishes, an acquire load before reading it (csrc/transport/signal.hpp).
   m.def(

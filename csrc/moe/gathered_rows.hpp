@@ -1,0 +1,22 @@
+// Row loops of MoE dispatch and combine on groups that span hosts (torch_cam/moe_hosts.py):
+// there the rows arrive in one local buffer (an all_to_all of packed rows), and these loops do
+// what the single-host ops do inside their pull, with the same kernels (kernels/moe_rows.hpp),
+// so both paths give the same bits.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace cam::moe {
+
+// q[i] / scales[i] = dynamic int8 of rows[i] (H = rows.size(1)), after multiplying by
+// smooth[smooth_index[i]] when smooth is defined.
+void quantize_rows(const at::Tensor& rows, const at::Tensor& smooth, const at::Tensor& smooth_index,
+                   at::Tensor& q, at::Tensor& scales);
+
+// out[t] = weighted sum over s of rows[index[t, s]] (index -1: none), in s order, with
+// weights[t, s] (undefined: 1), int8 rows dequantized by scales; `add` (undefined: none) goes
+// before the rows when add_first, else after them. Index bounds are checked here.
+void weighted_sum_rows(const at::Tensor& rows, const at::Tensor& scales, const at::Tensor& index,
+                       const at::Tensor& weights, const at::Tensor& add, bool add_first, at::Tensor& out);
+
+}  // namespace cam::moe
