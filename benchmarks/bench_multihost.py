@@ -16,6 +16,10 @@ host's ranks, for the latency target (round trip x 2 + the single-host time). KV
 rank 0 (host 0) pushes a request of that many bytes (64 KiB blocks, one layer, the same layout
 on both sides) into rank 2 (host 1) until rank 2 has its notification, and rank 2 pulls one
 from rank 0; beside cam's send/recv and gloo's of the same bytes between the same ranks.
+MoE: one dispatch + combine of that many bytes of bf16 token rows per rank (rows of 1 KiB,
+top-4 of 16 experts, 4 per rank, identity experts) by torch_cam.moe_distribute_dispatch /
+combine, against the usual all-to-all token dispatcher of bench_moe.py over flat gloo and
+over cam's all_to_all_single; the outputs are checked against each other before timing.
 Results: benchmarks/results_multihost.md (written with --write).
 """
 from __future__ import annotations
@@ -155,6 +159,7 @@ def worker(args) -> None:
                 row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
             rows.append(row)
     rows += kv_rows(rank, gloo, args)
+    rows += moe_rows(rank, world, gloo, args)
     raws = [None] * world
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
@@ -218,6 +223,55 @@ def kv_rows(rank: int, gloo, args) -> list[dict]:
     return rows
 
 
+MOE_HIDDEN, MOE_TOPK, MOE_EXPERTS = 512, 4, 16
+
+
+def moe_link_bytes(nbytes: int) -> float:
+    """Inter-host bytes per direction of one dispatch + combine: every token row goes to top-K
+    experts, (W-L)/W of them on the other host, and comes back weighted."""
+    w = HOSTS * PER_HOST
+    return 2 * PER_HOST * nbytes * MOE_TOPK * (w - PER_HOST) / w
+
+
+def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
+    """MoE dispatch + combine (see the module docstring), cam against the all-to-all dispatcher."""
+    import torch
+    import torch.distributed as dist
+    import torch_cam
+    from _harness import all_ok, timed_slowest
+    from bench_moe import A2ADispatcher
+
+    rows = []
+    for nbytes in args.sizes:
+        T = max(1, nbytes // (2 * MOE_HIDDEN))
+        g = torch.Generator().manual_seed(1000 * rank + T)
+        x = torch.randn(T, MOE_HIDDEN, generator=g).to(torch.bfloat16)
+        top, ids = torch.randn(T, MOE_EXPERTS, generator=g).topk(MOE_TOPK, dim=1)
+        ids, w = ids.to(torch.int32).contiguous(), torch.softmax(top, dim=1).contiguous()
+
+        def cam():
+            expand_x, _, expand_idx, _, counts, _, _ = torch_cam.moe_distribute_dispatch(
+                x, ids, dist.group.WORLD, world, rank, MOE_EXPERTS, expert_scales=w)
+            return torch_cam.moe_distribute_combine(expand_x, ids, expand_idx, counts, w, dist.group.WORLD,
+                                                    world, rank, MOE_EXPERTS)
+
+        def a2a(group):
+            b = A2ADispatcher(group, world, MOE_EXPERTS)
+            expert_in, _, state = b.dispatch(x, ids)
+            return b.combine(expert_in, w, state)
+
+        want = (x.float() * w.sum(1, keepdim=True)).to(torch.bfloat16)
+        ok = all(torch.allclose(f().float(), want.float(), rtol=1e-2, atol=1e-2)
+                 for f in (cam, lambda: a2a(gloo), lambda: a2a(None)))
+        if not all_ok(ok, gloo):
+            raise RuntimeError(f"bench_multihost: MoE outputs disagree at {nbytes} bytes per rank")
+        rows.append({"op": "moe", "bytes": T * 2 * MOE_HIDDEN,
+                     "cam_s": timed_slowest(cam, gloo, args.samples),
+                     "gloo_s": timed_slowest(lambda: a2a(gloo), gloo, args.samples),
+                     "a2a_cam_s": timed_slowest(lambda: a2a(None), gloo, args.samples)})
+    return rows
+
+
 # ----------------------------------------------------------------------------- launcher
 
 def find_tool() -> str:
@@ -258,7 +312,7 @@ def table(rate: str, res: dict) -> list[str]:
              "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        if r["op"] == "kv":
+        if r["op"] in ("kv", "moe"):
             continue
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
         cg = r.get("cam_gloo_s")
@@ -279,6 +333,19 @@ def table(rate: str, res: dict) -> list[str]:
             lines.append(f"| {human(r['bytes'])} | {r['push_s'] * 1e3:.3f} | {r['pull_s'] * 1e3:.3f} | "
                          f"{r['send_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | {r['gloo_s'] / r['push_s']:.2f}x | "
                          f"{r['gloo_s'] / r['send_s']:.2f}x | {bw / 1e9:.3f} | {bw / stream:.0%} |")
+    moe = [r for r in res["rows"] if r["op"] == "moe"]
+    if moe:
+        lines += ["", f"MoE dispatch + combine (bf16 rows of {MOE_HIDDEN * 2} B, top-{MOE_TOPK} of {MOE_EXPERTS} "
+                  "experts), against the all-to-all token dispatcher over flat gloo and over cam's all_to_all_single:",
+                  "",
+                  "| rows per rank | cam ms | a2a over gloo ms | a2a over cam ms | gloo / cam | a2a over cam / cam | "
+                  "cam link GB/s | of raw stream |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in moe:
+            link = moe_link_bytes(r["bytes"]) / r["cam_s"]
+            lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
+                         f"{r['a2a_cam_s'] * 1e3:.3f} | {r['gloo_s'] / r['cam_s']:.2f}x | "
+                         f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]

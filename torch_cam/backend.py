@@ -155,7 +155,7 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
             f"torch_cam: group {pg.group_name!r} spans {len(names)} hosts ({', '.join(names)}); this "
             "operation reads and writes peers' memory directly, which needs every rank of the group on "
             "one host (between hosts it needs one-sided operations over UCX, which torch_cam's "
-            "collectives use but this operation does not yet). Collectives, point-to-point and "
-            "torch_cam.kv.KVTransfer work across hosts")
+            "collectives use but this operation does not yet). Collectives, point-to-point, MoE "
+            "dispatch / combine, the MoE Buffer and torch_cam.kv.KVTransfer work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "
                        f"(its CPU backend is {type(backend).__name__})")

@@ -34,6 +34,10 @@ __all__ = ["HostsMoe", "moe_backend"]
 
 _ERROR_BYTES = 1024
 _HEADER_INTS = 24
+# Counts that ride with the headers in the first all-gather (dispatch: experts + shared-expert
+# ranks; combine: 3 per segment); longer ones take a second all-gather.
+_INLINE_INTS = 256
+_BLOB_BYTES = _ERROR_BYTES + 8 * (2 + _HEADER_INTS + _INLINE_INTS)
 
 # Dtype codes carried in headers (the index here).
 _DTYPES = [getattr(torch, n) for n in (
@@ -81,6 +85,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     per_row = t.element_size() * (1 if t.dim() == 1 else int(torch.Size(t.shape[1:]).numel()))
     return t.reshape(-1).view(torch.uint8).view(t.shape[0], per_row)
+
+
+def _rows_at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``t`` as (len(index), row bytes) uint8 (index_select: a copy per row)."""
+    return _bytes(t).index_select(0, index)
+
+
+def _place(dst: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst[pos[i]] = rows[i] for uint8 ``rows`` of dst's row width (a memcpy per row, not the
+    per-element scatter of advanced indexing)."""
+    _C.moe_place_rows(rows, pos.contiguous(), _bytes(dst))
 
 
 def _exclusive(counts: torch.Tensor) -> torch.Tensor:
@@ -131,37 +146,54 @@ class HostsMoe:
 
     def all_gather_counts(self, op: str, counts, reason: str) -> torch.Tensor:
         """(W, n) every rank's ``counts`` (n int32 each), or the refusal of any rank on every rank."""
-        n = self.world
-        mine = torch.zeros(n, dtype=torch.int64) if counts is None else counts.to(torch.int64)
-        return self._agree(op, mine, reason).to(torch.int32)
+        mine = torch.zeros(self.world, dtype=torch.int64) if counts is None else counts
+        return self._agree(op, torch.zeros(_HEADER_INTS, dtype=torch.int64), reason, mine)[1].to(torch.int32)
 
     def stats(self) -> dict:
         return {}
 
     # ---- the exchange of headers -------------------------------------------------------------
-    def _agree(self, op: str, header: torch.Tensor, error: str) -> torch.Tensor:
-        """All-gathers every rank's (error, header); raises on every rank if any rank refused,
-        its own reason first. Returns the (W, len(header)) headers."""
+    def _agree(self, op: str, header: torch.Tensor, error: str, extra=None):
+        """All-gathers every rank's (error, header, extra); raises on every rank if any rank
+        refused, its own reason first. ``extra`` (int64, any length per rank) rides inline up to
+        _INLINE_INTS, else in a second all-gather padded to the longest. Returns the (W, 24)
+        headers and the (W, longest) extras, zero-padded."""
+        extra = torch.zeros(0, dtype=torch.int64) if extra is None else extra.reshape(-1).to(torch.int64)
         text = error.encode()[:_ERROR_BYTES]
-        blob = torch.zeros(_ERROR_BYTES + 8 * header.numel() + 8, dtype=torch.uint8)
-        blob[:8].view(torch.int64)[0] = len(text)
-        blob[8:8 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else blob[8:8]
-        blob[8 + _ERROR_BYTES:].view(torch.int64).copy_(header)
-        every = torch.empty(self.world * blob.numel(), dtype=torch.uint8)
-        where = f"cam {op} on rank {self.rank}"
-        try:
-            dist.all_gather_into_tensor(every, blob, group=self.group)
-        except RuntimeError as e:  # a peer or the group failed: say which op of this rank saw it
-            raise RuntimeError(f"{where}: {e}") from e
-        every = every.view(self.world, -1)
-        order = [self.rank] + [r for r in range(self.world) if r != self.rank]
-        for r in order:
-            n = int(every[r, :8].view(torch.int64)[0])
+        blob = torch.zeros(_BLOB_BYTES, dtype=torch.uint8)
+        ints = blob[_ERROR_BYTES:].view(torch.int64)  # [text bytes, extra length, header, inline extra]
+        ints[0], ints[1] = len(text), extra.numel()
+        ints[2:2 + _HEADER_INTS].copy_(header)
+        if extra.numel() <= _INLINE_INTS:
+            ints[2 + _HEADER_INTS:2 + _HEADER_INTS + extra.numel()].copy_(extra)
+        if text:
+            blob[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        every = self._all_gather(op, blob).view(self.world, -1)
+        every_ints = every[:, _ERROR_BYTES:].contiguous().view(torch.int64).view(self.world, -1)
+        for r in [self.rank] + [r for r in range(self.world) if r != self.rank]:
+            n = int(every_ints[r, 0])
             if n:
-                why = bytes(every[r, 8:8 + n].tolist()).decode(errors="replace")
+                why = bytes(every[r, :n].tolist()).decode(errors="replace")
+                where = f"cam {op} on rank {self.rank}"
                 raise RuntimeError(f"{where}: {why}" if r == self.rank else
                                    f"{where}: rank {r} refused its arguments: {why}")
-        return every[:, 8 + _ERROR_BYTES:].contiguous().view(torch.int64).view(self.world, -1)
+        lens = every_ints[:, 1]
+        longest = int(lens.max())
+        if longest <= _INLINE_INTS:
+            extras = every_ints[:, 2 + _HEADER_INTS:2 + _HEADER_INTS + longest]
+        else:
+            padded = torch.zeros(longest, dtype=torch.int64)
+            padded[:extra.numel()] = extra
+            extras = self._all_gather(op, padded.view(torch.uint8)).view(torch.int64).view(self.world, longest)
+        return every_ints[:, 2:2 + _HEADER_INTS], extras
+
+    def _all_gather(self, op: str, mine: torch.Tensor) -> torch.Tensor:
+        every = torch.empty(self.world * mine.numel(), dtype=mine.dtype)
+        try:
+            dist.all_gather_into_tensor(every, mine, group=self.group)
+        except RuntimeError as e:  # a peer or the group failed: say which op of this rank saw it
+            raise RuntimeError(f"cam {op} on rank {self.rank}: {e}") from e
+        return every
 
     def _a2a_rows(self, op: str, send: torch.Tensor, send_counts, recv_counts, width: int) -> torch.Tensor:
         """all_to_all_single of (rows, width) uint8 by row counts per peer."""
@@ -242,26 +274,27 @@ class HostsMoe:
                 int(bool(quant)), int(weights is not None), _code(rows.dtype), H, int(prequant),
                 0 if first_bad < 0 else int(bad.reshape(-1)[first_bad]), first_bad // K if first_bad >= 0 else 0,
                 first_bad % K if first_bad >= 0 else 0, int(flat[first_bad]) if first_bad >= 0 else 0])
-        heads = self._agree("moe_dispatch", header, c.error)
+        counts = None
+        if not c.error:  # rows per expert (CSR sizes) and per shared-expert rank
+            valid = (flat >= 0) & (flat < M)
+            per_expert = torch.bincount(flat[valid], minlength=M)
+            active = token_active.to(torch.int64)
+            to_shared = torch.zeros(S, dtype=torch.int64)
+            for d in range(S):
+                if me == d:
+                    to_shared[d] = int(active.sum())
+                elif me >= S:
+                    to_shared[d] = int(active[_shared_lo(me, d, T, S):_shared_lo(me, d + 1, T, S)].sum())
+            counts = torch.cat([per_expert, to_shared])
+        # Round 1 (and 2 for counts past the inline room): headers and counts of every rank.
+        heads, G = self._agree("moe_dispatch", header, c.error, counts)
         self._check_dispatch_headers(heads)
         hd = {name: heads[:, i] for i, name in enumerate((
             "tokens", "topk", "experts", "width", "aux", "max_tokens", "capacity", "slab", "shared", "per_rank",
             "quant", "has_weights", "dtype", "hidden", "prequant"))}
-
-        # Round 2: rows per expert (CSR sizes) and per shared-expert rank, from every rank.
-        valid = flat >= 0
-        per_expert = torch.bincount(flat[valid], minlength=M)
-        active = token_active.to(torch.int64)
-        to_shared = torch.zeros(S, dtype=torch.int64)
-        for d in range(S):
-            if me == d:
-                to_shared[d] = int(active.sum())
-            elif me >= S:
-                to_shared[d] = int(active[_shared_lo(me, d, T, S):_shared_lo(me, d + 1, T, S)].sum())
-        G = self._agree("moe_dispatch", torch.cat([per_expert, to_shared]), "")
         self._check_capacity(G, hd, M, S, L)
 
-        # Round 3: the rows, one per (receiver, expert, token) in the receiver's order per source.
+        # Then the rows, one per (receiver, expert, token) in the receiver's order per source.
         order = torch.argsort(flat.masked_fill(~valid, M), stable=True)[: int(valid.sum())]
         tok = [order // K]
         slot = [order % K]
@@ -279,11 +312,11 @@ class HostsMoe:
         send_counts = to_shared.tolist() + per_expert.view(W - S, L).sum(1).tolist()
         if prequant:
             q, q_scales = _C.moe_quantize_rows(rows.contiguous())
-            parts = [_bytes(q[tok]), _bytes(q_scales[tok])]
+            parts = [_rows_at(q, tok), _rows_at(q_scales, tok)]
         else:
-            parts = [_bytes(rows[tok])]
+            parts = [_rows_at(rows, tok)]
         if aux is not None and aux.shape[1]:
-            parts.append(aux[tok])
+            parts.append(_rows_at(aux, tok))
         if weights is not None:
             w = torch.where(slot >= 0, weights.reshape(-1)[(tok * K + slot.clamp(min=0))], 0.0)
             parts.append(_bytes(w.to(torch.float32)))
@@ -325,21 +358,21 @@ class HostsMoe:
             smooth_row = (me - S) * L + j_of + int(smooth_shift)
         col = 0
         if prequant:
-            out_rows[pos] = recv[:, :H].view(torch.int8)
-            out_scales[pos] = recv[:, H:H + 4].contiguous().view(torch.float32).view(-1)
+            _place(out_rows, pos, recv[:, :H])
+            _place(out_scales, pos, recv[:, H:H + 4])
             col = H + 4
         elif quant:
             raw = recv[:, :width].contiguous().view(rows.dtype).view(n, H)
             q, s = _C.moe_quantize_rows(raw, smooth, smooth_row.contiguous())
-            out_rows[pos] = q
-            out_scales[pos] = s
+            _place(out_rows, pos, _bytes(q))
+            _place(out_scales, pos, _bytes(s))
             col = width
         else:
-            out_rows.view(torch.uint8).view(out_rows.shape[0], -1)[pos] = recv[:, :width]
+            _place(out_rows, pos, recv[:, :width])
             col = width
         if aux is not None and aux.shape[1]:
             if out_aux is not None:
-                out_aux[pos] = recv[:, col:col + aux.shape[1]]
+                _place(out_aux, pos, recv[:, col:col + aux.shape[1]])
             col += aux.shape[1]
         w_recv = None
         if weights is not None:
@@ -448,7 +481,7 @@ class HostsMoe:
         header = torch.zeros(_HEADER_INTS, dtype=torch.int64)
         if not c.error:
             header[:5] = torch.tensor([n, H, segments.shape[0], _code(rows.dtype), int(bool(quant))])
-        heads = self._agree("moe_combine", header, c.error)
+        heads, tables = self._agree("moe_combine", header, c.error, None if c.error else segments)
         where = f"cam moe_combine on rank {me}"
         serving = [r for r in range(W) if heads[r, 0] > 0]
         for r in range(W):
@@ -466,9 +499,9 @@ class HostsMoe:
         dtype = _DTYPES[int(heads[serving[0], 3])] if serving else rows.dtype
         nseg = heads[:, 2]
         most = max(1, int(nseg.max()))
-        table = torch.zeros(most, 3, dtype=torch.int64)
-        table[: segments.shape[0]] = segments
-        SG = self._agree("moe_combine", table.view(-1), "").view(W, most, 3)
+        SG = torch.zeros(W, most * 3, dtype=torch.int64)  # every rank's segments, zero-padded
+        SG[:, :tables.shape[1]] = tables
+        SG = SG.view(W, most, 3)
 
         # The rows this rank sends each owner: its segments of that owner, in segment order.
         mine = SG[me, : segments.shape[0]]
@@ -481,12 +514,12 @@ class HostsMoe:
         if quant:
             q, scales = _C.moe_quantize_rows(rows.contiguous()) if n else (torch.empty(0, H, dtype=torch.int8),
                                                                             torch.empty(0))
-            send = torch.cat([_bytes(q[send_idx]), _bytes(scales[send_idx])], 1) if n else torch.empty(0, H + 4,
+            send = torch.cat([_rows_at(q, send_idx), _rows_at(scales, send_idx)], 1) if n else torch.empty(0, H + 4,
                                                                                                          dtype=torch.uint8)
             width = H + 4
         else:
             width = H * torch.empty(0, dtype=dtype).element_size()
-            send = _bytes(rows[send_idx]) if n else torch.empty(0, width, dtype=torch.uint8)
+            send = _rows_at(rows, send_idx) if n else torch.empty(0, width, dtype=torch.uint8)
         # Each peer's segments of this rank: where their rows land in the received buffer.
         valid_seg = torch.arange(most).view(1, most) < nseg.view(W, 1)
         for_me = (SG[:, :, 2] == me) & valid_seg

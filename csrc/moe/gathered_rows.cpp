@@ -1,5 +1,6 @@
 #include "gathered_rows.hpp"
 
+#include <cstring>
 #include <vector>
 
 #include "../../kernels/moe_rows.hpp"
@@ -12,6 +13,23 @@ void need_rows(const at::Tensor& t, const char* what) {
               " must be a contiguous 2-D CPU tensor");
 }
 }  // namespace
+
+void place_rows(const at::Tensor& src, const at::Tensor& pos, at::Tensor& dst) {
+  need_rows(dst, "the placed-into rows");
+  TORCH_CHECK(src.defined() && src.device().is_cpu() && src.dim() == 2 && src.scalar_type() == at::kByte &&
+                  dst.scalar_type() == at::kByte && src.stride(1) == 1 && src.size(1) == dst.size(1),
+              "cam moe: rows to place must be uint8 rows of the destination's width");
+  TORCH_CHECK(pos.defined() && pos.is_contiguous() && pos.scalar_type() == at::kLong && pos.numel() == src.size(0),
+              "cam moe: one int64 position per row to place");
+  const int64_t n = src.size(0), m = dst.size(0), width = dst.size(1), stride = src.stride(0);
+  const int64_t* at = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(at[i] >= 0 && at[i] < m, "cam moe: row ", i, " goes to position ", at[i], " of ", m);
+  }
+  const uint8_t* from = src.data_ptr<uint8_t>();
+  uint8_t* to = dst.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) std::memcpy(to + at[i] * width, from + i * stride, static_cast<size_t>(width));
+}
 
 void quantize_rows(const at::Tensor& rows, const at::Tensor& smooth, const at::Tensor& smooth_index,
                    at::Tensor& q, at::Tensor& scales) {

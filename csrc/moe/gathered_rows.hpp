@@ -10,6 +10,10 @@ namespace cam::moe {
 
 // q[i] / scales[i] = dynamic int8 of rows[i] (H = rows.size(1)), after multiplying by
 // smooth[smooth_index[i]] when smooth is defined.
+// dst[pos[i]] = src[i] for the n rows of src (uint8 rows of dst's width, any row stride), one
+// memcpy per row; positions are checked against dst's rows.
+void place_rows(const at::Tensor& src, const at::Tensor& pos, at::Tensor& dst);
+
 void quantize_rows(const at::Tensor& rows, const at::Tensor& smooth, const at::Tensor& smooth_index,
                    at::Tensor& q, at::Tensor& scales);
 

@@ -9,6 +9,11 @@ namespace py = pybind11;
 
 void bind_moe_rows(py::module& m) {
   m.def(
+      "moe_place_rows",
+      [](const at::Tensor& src, const at::Tensor& pos, at::Tensor dst) { cam::moe::place_rows(src, pos, dst); },
+      py::arg("src"), py::arg("pos"), py::arg("dst"), py::call_guard<py::gil_scoped_release>(),
+      "dst[pos[i]] = src[i] (uint8 rows, one memcpy each)");
+  m.def(
       "moe_quantize_rows",
       [](const at::Tensor& rows, std::optional<at::Tensor> smooth, std::optional<at::Tensor> smooth_index) {
         at::Tensor q = at::empty(rows.sizes(), rows.options().dtype(at::kChar));
