@@ -23,7 +23,7 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
                       cfg.tensor_heap_bytes, cfg.eager_max_bytes);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout, group_desc);
-  output_pool_ = std::make_shared<OutputPool>(cfg.moe_output_cache_bytes);
+  output_pool_ = std::make_shared<RecyclingPool>(cfg.moe_output_cache_bytes);
   engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg),
                                      FlightRecorder::Group{group_id_, group_desc, rank, size});
   if (engine_->config().log_level >= LogLevel::kInfo) log_init(ncpus);

@@ -12,7 +12,7 @@
 
 #include "../algo/rounds.hpp"
 #include "../moe/moe_ops.hpp"
-#include "../moe/output_pool.hpp"
+#include "../core/recycling_pool.hpp"
 #include "cam_work.hpp"
 #include "engine.hpp"
 
@@ -138,7 +138,7 @@ class CamBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);
   c10::intrusive_ptr<c10d::Work> moe_combine(MoeCombineArgs args, std::chrono::milliseconds timeout);
   int64_t moe_stage_bytes() const;
-  // A tensor for an MoE op's output from the group's recycling pool (see output_pool.hpp).
+  // A tensor for an MoE op's output from the group's recycling pool (see recycling_pool.hpp).
   at::Tensor moe_empty(at::IntArrayRef sizes, at::ScalarType dtype) { return output_pool_->empty(sizes, dtype); }
 
  private:
@@ -189,7 +189,7 @@ class CamBackend : public c10d::Backend {
 
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)
-  std::shared_ptr<OutputPool> output_pool_;
+  std::shared_ptr<RecyclingPool> output_pool_;
   std::string group_id_;
   mutable std::mutex issue_mu_;
   uint64_t coll_seq_ = 0;

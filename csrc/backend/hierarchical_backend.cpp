@@ -13,6 +13,8 @@ namespace {
 
 // Where a rank that failed an op says why, for the ranks of other hosts.
 constexpr const char* kFailureKey = "cam_hierarchy_failure";
+// Address space of freed intermediate buffers a group keeps for its next ops.
+constexpr int64_t kScratchCacheBytes = 1ll << 30;
 
 // Blocks until `fut` completes, woken by whoever completes it (never polling: the thread that
 // completes it may need this core). After each `every` without completion calls between(),
@@ -108,6 +110,15 @@ bool HostMap::uniform() const {
   return true;
 }
 
+bool HostMap::in_rank_order() const {
+  if (!uniform()) return false;
+  const size_t l = ranks[0].size();
+  for (size_t h = 0; h < ranks.size(); ++h)
+    for (size_t i = 0; i < l; ++i)
+      if (ranks[h][i] != int(h * l + i)) return false;
+  return true;
+}
+
 HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::intrusive_ptr<CamBackend> local,
                                          InterHost inter, c10::intrusive_ptr<c10d::Store> store,
                                          std::string group_desc)
@@ -116,7 +127,8 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
       local_(std::move(local)),
       inter_(std::move(inter)),
       store_(std::move(store)),
-      group_desc_(std::move(group_desc)) {
+      group_desc_(std::move(group_desc)),
+      scratch_(std::make_shared<RecyclingPool>(kScratchCacheBytes)) {
   TORCH_CHECK(int(map_.host_of.size()) == size && map_.hosts() > 1, "cam: a hierarchical group needs a host map of ",
               size, " ranks on more than one host");
   TORCH_CHECK(inter_.all || (inter_.collectives && inter_.p2p),

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../core/recycling_pool.hpp"
 #include "cam_backend.hpp"
 
 namespace cam {
@@ -49,6 +50,7 @@ struct HostMap {
   int hosts() const { return int(ranks.size()); }
   int max_local() const;
   bool uniform() const;  // every host has as many ranks
+  bool in_rank_order() const;  // uniform, and host h's ranks are h*L .. h*L+L-1
 };
 
 class HierarchicalBackend : public c10d::Backend {
@@ -151,6 +153,10 @@ class HierarchicalBackend : public c10d::Backend {
   // AVG runs as SUM and divides at the end (the inter-host engine has no AVG); PREMUL_SUM and
   // AVG of integers are refused. Returns the op to run.
   c10d::ReduceOp reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) const;
+  // A buffer for a composition's intermediate rows, from scratch_ (contents undefined).
+  at::Tensor scratch(int64_t numel, const at::TensorOptions& options) const {
+    return scratch_->empty({numel}, options.dtype().toScalarType());
+  }
   bool leader() const { return map_.local_of[rank_] == 0; }
   int my_host() const { return map_.host_of[rank_]; }
   int local_size() const { return int(map_.ranks[my_host()].size()); }
@@ -160,6 +166,9 @@ class HierarchicalBackend : public c10d::Backend {
   InterHost inter_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_desc_;
+  // The compositions' intermediate buffers, recycled: a large all_gather's would otherwise
+  // page-fault all of its fresh memory every call (more than the copy itself).
+  std::shared_ptr<RecyclingPool> scratch_;
 
   struct Task {
     std::string name;

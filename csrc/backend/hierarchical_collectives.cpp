@@ -11,7 +11,9 @@
 //     broadcasts shard r (large, uniform) and the other hosts broadcast (gather) locally.
 //   all_gather: rail exchange (send/recv with every other host) then local all_gather
 //     (uniform); else local all_gather, leaders exchange the host blocks, local broadcast.
-//     Rows are then put in rank order.
+//     Rows are then put in rank order; where hosts hold consecutive ranks a large one instead
+//     gathers each host's block locally straight into its rows of the output.
+//   Intermediate buffers come from the group's recycling pool (scratch()).
 //   reduce_scatter: local reduce_scatter of rows ordered by (local index, host), then rail
 //     all_reduce of those H rows (uniform); else local reduce, leaders all_reduce the host
 //     blocks, local broadcast of the host's block.
@@ -80,9 +82,9 @@ void HierarchicalBackend::allreduce_one(at::Tensor t, c10d::ReduceOp op) {
     const int64_t shard = (n + ls - 1) / ls;
     at::Tensor flat = t.view(-1);
     const bool padded = shard * ls != n;
-    at::Tensor buf = padded ? at::zeros({shard * ls}, t.options()) : flat;
+    at::Tensor buf = padded ? scratch(shard * ls, t.options()).zero_() : flat;
     if (padded) buf.narrow(0, 0, n).copy_(flat);
-    at::Tensor part = at::empty({shard}, t.options());
+    at::Tensor part = scratch(shard, t.options());
     local_step(local_->_reduce_scatter_base(part, buf, reduce_scatter_opts(op)));
     std::vector<at::Tensor> parts{part};
     inter_step(inter_.rail->allreduce(parts, allreduce_opts(op)));
@@ -115,9 +117,9 @@ void HierarchicalBackend::broadcast_one(at::Tensor t, int root) {
     const int64_t shard = (n + ls - 1) / ls;
     at::Tensor flat = t.view(-1);
     const bool padded = shard * ls != n;
-    at::Tensor buf = padded ? at::zeros({shard * ls}, t.options()) : flat;
+    at::Tensor buf = padded ? scratch(shard * ls, t.options()).zero_() : flat;
     if (padded && on_root_host) buf.narrow(0, 0, n).copy_(flat);
-    at::Tensor part = on_root_host ? buf.narrow(0, map_.local_of[rank_] * shard, shard) : at::empty({shard}, t.options());
+    at::Tensor part = on_root_host ? buf.narrow(0, map_.local_of[rank_] * shard, shard) : scratch(shard, t.options());
     std::vector<at::Tensor> parts{part};
     inter_step(inter_.rail->broadcast(parts, broadcast_opts(root_host)));
     if (!on_root_host) {
@@ -143,7 +145,7 @@ void HierarchicalBackend::exchange_blocks(c10d::Backend& hosts, const at::Tensor
   std::vector<int64_t> out_splits = in_splits;  // two vectors: gloo may move from its arguments
   at::Tensor send = hosts_n == 2 ? mine : mine.repeat({hosts_n - 1});
   // Blocks from the other hosts, in host order without this one's: with two hosts, its slot.
-  at::Tensor recv = hosts_n == 2 ? by_host.narrow(0, int64_t(1 - me) * k, k) : at::empty({int64_t(hosts_n - 1) * k}, mine.options());
+  at::Tensor recv = hosts_n == 2 ? by_host.narrow(0, int64_t(1 - me) * k, k) : scratch(int64_t(hosts_n - 1) * k, mine.options());
   inter_step(hosts.alltoall_base(recv, send, out_splits, in_splits, c10d::AllToAllOptions()));
   if (hosts_n > 2) {
     by_host.narrow(0, 0, int64_t(me) * k).copy_(recv.narrow(0, 0, int64_t(me) * k));
@@ -162,25 +164,34 @@ void HierarchicalBackend::gather_rows(const at::Tensor& input, at::Tensor out_ro
   if (inter_.rail) {
     // by_host[h]: the input of host h's rank of this rank's local index.
     // (The engines take flat buffers: gloo compares the output's chunks with the input's shape.)
-    at::Tensor by_host = at::empty({int64_t(hosts) * n}, input.options());
+    at::Tensor by_host = scratch(int64_t(hosts) * n, input.options());
     exchange_blocks(*inter_.rail, in, by_host);
+    if (ls > 1 && map_.in_rank_order() && int64_t(in.nbytes()) >= kRailMinBytes) {
+      // Host h's ranks are out rows h*L..h*L+L-1: gather each host's block straight there.
+      for (int h = 0; h < hosts; ++h) {
+        at::Tensor rows = out_rows.narrow(0, int64_t(h) * ls, ls).view(-1);
+        at::Tensor block = by_host.narrow(0, int64_t(h) * n, n);
+        local_step(local_->_allgather_base(rows, block, c10d::AllgatherOptions()));
+      }
+      return;
+    }
     all = by_host;
     if (ls > 1) {
-      all = at::empty({int64_t(ls) * hosts * n}, input.options());
+      all = scratch(int64_t(ls) * hosts * n, input.options());
       local_step(local_->_allgather_base(all, by_host, c10d::AllgatherOptions()));
     }
     for (int g = 0; g < size_; ++g) idx[g] = int64_t(map_.local_of[g]) * hosts + map_.host_of[g];
     all = all.view({int64_t(ls) * hosts, n});
   } else {
     const int m = map_.max_local();
-    at::Tensor host_rows = at::zeros({int64_t(m) * n}, input.options());
+    at::Tensor host_rows = scratch(int64_t(m) * n, input.options()).zero_();
     at::Tensor mine = host_rows.narrow(0, 0, int64_t(ls) * n);
     if (ls > 1) {
       local_step(local_->_allgather_base(mine, in, c10d::AllgatherOptions()));
     } else {
       mine.copy_(in);
     }
-    all = at::empty({int64_t(hosts) * m * n}, input.options());
+    all = scratch(int64_t(hosts) * m * n, input.options());
     if (leader()) exchange_blocks(*inter_.leaders, host_rows, all);
     std::vector<at::Tensor> v{all};
     if (ls > 1) local_step(local_->broadcast(v, broadcast_opts(0)));
@@ -200,10 +211,12 @@ void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Ten
     std::vector<int64_t> idx(size_);
     for (int l = 0; l < ls; ++l)
       for (int h = 0; h < hosts; ++h) idx[l * hosts + h] = map_.ranks[h][l];
-    at::Tensor x = in_rows.index_select(0, index_tensor(idx)).view(-1);
+    at::Tensor x = scratch(int64_t(size_) * n, out.options());
+    at::Tensor x_rows = x.view({size_, n});
+    at::index_select_out(x_rows, in_rows, 0, index_tensor(idx));
     at::Tensor y = x;  // y[h]: this host's partial for host h's rank of this rank's local index
     if (ls > 1) {
-      y = at::empty({int64_t(hosts) * n}, out.options());
+      y = scratch(int64_t(hosts) * n, out.options());
       local_step(local_->_reduce_scatter_base(y, x, reduce_scatter_opts(op)));
     }
     std::vector<at::Tensor> ys{y};
@@ -212,14 +225,14 @@ void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Ten
     return;
   }
   const int m = map_.max_local();
-  at::Tensor x = at::zeros({int64_t(hosts) * m, n}, out.options());
+  at::Tensor x = scratch(int64_t(hosts) * m * n, out.options()).zero_().view({int64_t(hosts) * m, n});
   std::vector<int64_t> pos(size_);
   for (int g = 0; g < size_; ++g) pos[g] = int64_t(map_.host_of[g]) * m + map_.local_of[g];
   x.index_copy_(0, index_tensor(pos), in_rows);
   x = x.view(-1);
   std::vector<at::Tensor> v{x};
   if (ls > 1) local_step(local_->reduce(v, reduce_opts(op, 0)));
-  at::Tensor block = at::empty({int64_t(m) * n}, out.options());
+  at::Tensor block = scratch(int64_t(m) * n, out.options());
   if (leader()) {
     inter_step(inter_.leaders->allreduce(v, allreduce_opts(op)));
     block.copy_(x.narrow(0, int64_t(my_host()) * m * n, int64_t(m) * n));
@@ -342,7 +355,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather(std::vector<std::v
       TORCH_CHECK(outs[g].numel() == in.numel() && outs[g].scalar_type() == in.scalar_type(), "output ", g, " holds ",
                   outs[g].numel(), " elements of ", outs[g].scalar_type(), ", expected ", in.numel(), " of ",
                   in.scalar_type());
-    at::Tensor rows = at::empty({int64_t(size_) * in.numel()}, in.options());
+    at::Tensor rows = scratch(int64_t(size_) * in.numel(), in.options());
     allgather_tensor(rows, in);
     for (int g = 0; g < size_; ++g) outs[g].copy_(rows.narrow(0, g * in.numel(), in.numel()).view(outs[g].sizes()));
   });

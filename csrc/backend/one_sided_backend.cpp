@@ -163,7 +163,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
   std::vector<Block> sends(size_), recvs(size_);
   if (int64_t(t.nbytes()) <= kOneShotMaxBytes || n < size_) {
     // Every rank reads every input and reduces them in rank order.
-    at::Tensor all = at::empty({int64_t(size_), n}, t.options());
+    at::Tensor all = scratch_->empty({int64_t(size_), n}, t.scalar_type());
     std::vector<const void*> srcs(size_);
     for (int p = 0; p < size_; ++p) {
       sends[p] = Block{true, base, t.nbytes()};
@@ -179,7 +179,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
   auto lo = [&](int p) { return std::min(n, int64_t(p) * shard); };
   auto len = [&](int p) { return std::min(n, int64_t(p + 1) * shard) - lo(p); };
   const int64_t mine = len(rank_);
-  at::Tensor parts = at::empty({int64_t(size_), std::max<int64_t>(mine, 1)}, t.options());
+  at::Tensor parts = scratch_->empty({int64_t(size_), std::max<int64_t>(mine, 1)}, t.scalar_type());
   std::vector<const void*> srcs(size_);
   for (int p = 0; p < size_; ++p) {
     sends[p] = Block{true, base + lo(p) * es, size_t(len(p)) * es};
@@ -220,7 +220,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   at::Tensor all;
   std::vector<const void*> srcs(size_);
   if (rank_ == root) {
-    all = at::empty({int64_t(size_), t.numel()}, t.options());
+    all = scratch_->empty({int64_t(size_), t.numel()}, t.scalar_type());
     for (int p = 0; p < size_; ++p) {
       recvs[p] = Block{true, all[p].data_ptr(), t.nbytes()};
       srcs[p] = p == rank_ ? t.data_ptr() : all[p].data_ptr();
@@ -298,7 +298,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall(std::vector<at::Tensor>
     out_numel += outputs[p].numel();
   }
   at::Tensor in = at::cat(flat_in);
-  at::Tensor out = at::empty({out_numel}, outputs[0].options());
+  at::Tensor out = scratch_->empty({out_numel}, outputs[0].scalar_type());
   alltoall_base(out, in, out_splits, in_splits, opts);
   int64_t off = 0;
   for (int p = 0; p < size_; ++p) {

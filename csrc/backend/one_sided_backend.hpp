@@ -26,6 +26,7 @@
 
 #include <memory>
 
+#include "../core/recycling_pool.hpp"
 #include "../transport/one_sided.hpp"
 
 namespace cam {
@@ -75,6 +76,8 @@ class OneSidedBackend : public c10d::Backend {
   int root_of(int64_t root, const char* op) const;  // raises unless root is a rank of the group
 
   std::unique_ptr<OneSidedTransport> t_;
+  // Buffers peers' blocks are read into, recycled across ops (fresh ones page-fault every call).
+  std::shared_ptr<RecyclingPool> scratch_ = std::make_shared<RecyclingPool>(512ll << 20);
   uint64_t seq_ = 0;
   std::vector<uint64_t> consumed_;  // descriptors read from each peer
   std::vector<uint64_t> readers_;   // exchanges in which each peer read this rank's memory

@@ -1,4 +1,4 @@
-#include "output_pool.hpp"
+#include "recycling_pool.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -11,16 +11,16 @@ namespace {
 constexpr int64_t kGranule = 64 << 10;
 }  // namespace
 
-OutputPool::~OutputPool() {
+RecyclingPool::~RecyclingPool() {
   for (auto& [n, p] : free_) std::free(p);
 }
 
-int64_t OutputPool::cached_bytes() const {
+int64_t RecyclingPool::cached_bytes() const {
   std::lock_guard<std::mutex> lk(mu_);
   return cached_;
 }
 
-at::Tensor OutputPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+at::Tensor RecyclingPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   int64_t numel = 1;
   for (int64_t s : sizes) numel *= s;
   const int64_t want = std::max<int64_t>(numel * int64_t(c10::elementSize(dtype)), 1);
@@ -40,7 +40,7 @@ at::Tensor OutputPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   }
   if (p == nullptr) {
     TORCH_CHECK(posix_memalign(&p, 64, size_t(n)) == 0, "cam: out of memory allocating ", n,
-                " bytes for a MoE output");
+                " bytes");
   }
   auto self = shared_from_this();
   return at::from_blob(
@@ -48,7 +48,7 @@ at::Tensor OutputPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 
-void OutputPool::give_back(void* p, int64_t n) {
+void RecyclingPool::give_back(void* p, int64_t n) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (cached_ + n <= cap_) {
