@@ -14,8 +14,8 @@
 //     Rows are then put in rank order; where hosts hold consecutive ranks a large one instead
 //     gathers each host's block locally straight into its rows of the output.
 //   Intermediate buffers come from the group's recycling pool (scratch()).
-//   reduce_scatter: local reduce_scatter of rows ordered by (local index, host), then rail
-//     all_reduce of those H rows (uniform); else local reduce, leaders all_reduce the host
+//   reduce_scatter: local reduce_scatter of rows ordered by (local index, host), then a rail
+//     reduce_scatter of those H rows (uniform; over gloo an all_reduce of them); else local reduce, leaders all_reduce the host
 //     blocks, local broadcast of the host's block.
 //   reduce: local reduce, leaders reduce to the root's host, local broadcast there if the root
 //     is not its leader. barrier: local, leaders, local.
@@ -24,15 +24,16 @@
 
 #include "../core/errors.hpp"
 #include "hierarchical_backend.hpp"
+#include "one_sided_backend.hpp"
 
 namespace cam {
 namespace {
 
 // From this size a uniform group all-reduces and broadcasts over rails: every rank's link
 // carries 1/L of the bytes instead of the leader's carrying all of them.
-// Between hosts reduce_scatter runs as an all_reduce of the rows: gloo's reduce_scatter works
-// only inside Work.wait() and never reports completion, so it cannot be waited on beside the
-// store's failure key.
+// Over gloo, reduce_scatter between hosts runs as an all_reduce of the rows: gloo's
+// reduce_scatter works only inside Work.wait() and never reports completion, so it cannot be
+// waited on beside the store's failure key.
 constexpr int64_t kRailMinBytes = 64 << 10;
 
 c10d::AllreduceOptions allreduce_opts(const c10d::ReduceOp& op) {
@@ -62,6 +63,9 @@ at::Tensor index_tensor(const std::vector<int64_t>& v) {
 }
 
 bool is_avg(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::AVG; }
+
+// cam's one-sided engine has all_gather and reduce_scatter of its own; gloo's are avoided.
+bool one_sided(c10d::Backend& b) { return dynamic_cast<OneSidedBackend*>(&b) != nullptr; }
 
 }  // namespace
 
@@ -133,9 +137,13 @@ void HierarchicalBackend::broadcast_one(at::Tensor t, int root) {
 }
 
 void HierarchicalBackend::exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host) {
-  // An all_to_all that sends `mine` to every other host: gloo's all_gather moves the same bytes
-  // 2-3x slower (16 MiB between two ranks here: 60 ms against 20-28 ms), and its point-to-point
-  // Work has no Future to wait on beside the failure key.
+  if (one_sided(hosts)) {
+    inter_step(hosts._allgather_base(by_host, const_cast<at::Tensor&>(mine), c10d::AllgatherOptions()));
+    return;
+  }
+  // Over gloo, an all_to_all that sends `mine` to every other host: gloo's all_gather moves the
+  // same bytes 2-3x slower (16 MiB between two ranks here: 60 ms against 20-28 ms), and its
+  // point-to-point Work has no Future to wait on beside the failure key.
   const int64_t k = mine.numel();
   const int hosts_n = map_.hosts();
   const int me = my_host();
@@ -218,6 +226,11 @@ void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Ten
     if (ls > 1) {
       y = scratch(int64_t(hosts) * n, out.options());
       local_step(local_->_reduce_scatter_base(y, x, reduce_scatter_opts(op)));
+    }
+    if (one_sided(*inter_.rail)) {
+      at::Tensor flat = out.view(-1);
+      inter_step(inter_.rail->_reduce_scatter_base(flat, y, reduce_scatter_opts(op)));
+      return;
     }
     std::vector<at::Tensor> ys{y};
     inter_step(inter_.rail->allreduce(ys, allreduce_opts(op)));

@@ -152,11 +152,36 @@ void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_r
   t_->complete(what);
 }
 
+namespace {
+kernels::RedOp checked_red_op(const std::string& what, const c10d::ReduceOp& op, c10::ScalarType dtype) {
+  const kernels::RedOp red = red_op_of(op);
+  const char* why = kernels::reduce_unsupported(dtype, red);
+  TORCH_CHECK(*why == 0, what, ": cannot reduce ", dtype, " with ", kernels::red_op_name(red), ": ", why);
+  return red;
+}
+}  // namespace
+
+void OneSidedBackend::reduce_blocks(const std::string& what, const at::Tensor& in, const std::vector<int64_t>& off,
+                                    const c10d::ReduceOp& op, void* out) {
+  const kernels::RedOp red = checked_red_op(what, op, in.scalar_type());
+  const size_t es = in.element_size();
+  char* base = static_cast<char*>(in.data_ptr());
+  const int64_t mine = off[rank_ + 1] - off[rank_];
+  at::Tensor parts = scratch_->empty({int64_t(size_), std::max<int64_t>(mine, 1)}, in.scalar_type());
+  std::vector<Block> sends(size_), recvs(size_);
+  std::vector<const void*> srcs(size_);
+  for (int p = 0; p < size_; ++p) {
+    sends[p] = Block{true, base + off[p] * es, size_t(off[p + 1] - off[p]) * es};
+    recvs[p] = Block{true, parts[p].data_ptr(), size_t(mine) * es};
+    srcs[p] = p == rank_ ? static_cast<const void*>(base + off[rank_] * es) : parts[p].data_ptr();
+  }
+  exchange(what, &in, sends, recvs);
+  if (mine > 0) kernels::reduce(in.scalar_type(), red, out, srcs.data(), size_, mine, size_);
+}
+
 void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op) {
   const std::string what = op_name("all_reduce");
-  const kernels::RedOp red = red_op_of(op);
-  const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
-  TORCH_CHECK(*why == 0, what, ": cannot reduce ", t.scalar_type(), " with ", kernels::red_op_name(red), ": ", why);
+  const kernels::RedOp red = checked_red_op(what, op, t.scalar_type());
   const int64_t n = t.numel();
   const size_t es = t.element_size();
   char* base = static_cast<char*>(t.data_ptr());
@@ -174,24 +199,16 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
     kernels::reduce(t.scalar_type(), red, base, srcs.data(), size_, n, size_);
     return;
   }
-  // Reduce-scatter: rank p reduces shard p; then every rank reads every reduced shard.
+  // Reduce-scatter: rank p reduces shard p in place; then every rank reads every reduced shard.
   const int64_t shard = (n + size_ - 1) / size_;
-  auto lo = [&](int p) { return std::min(n, int64_t(p) * shard); };
-  auto len = [&](int p) { return std::min(n, int64_t(p + 1) * shard) - lo(p); };
-  const int64_t mine = len(rank_);
-  at::Tensor parts = scratch_->empty({int64_t(size_), std::max<int64_t>(mine, 1)}, t.scalar_type());
-  std::vector<const void*> srcs(size_);
-  for (int p = 0; p < size_; ++p) {
-    sends[p] = Block{true, base + lo(p) * es, size_t(len(p)) * es};
-    recvs[p] = Block{true, parts[p].data_ptr(), size_t(mine) * es};
-    srcs[p] = p == rank_ ? static_cast<const void*>(base + lo(rank_) * es) : parts[p].data_ptr();
-  }
-  exchange(what + " reduce-scatter", &t, sends, recvs);
-  if (mine > 0) kernels::reduce(t.scalar_type(), red, base + lo(rank_) * es, srcs.data(), size_, mine, size_);
+  std::vector<int64_t> off(size_ + 1);
+  for (int p = 0; p <= size_; ++p) off[p] = std::min(n, int64_t(p) * shard);
+  reduce_blocks(what + " reduce-scatter", t, off, op, base + off[rank_] * es);
   ++seq_;
+  const size_t mine = size_t(off[rank_ + 1] - off[rank_]) * es;
   for (int p = 0; p < size_; ++p) {
-    sends[p] = Block{true, base + lo(rank_) * es, size_t(mine) * es};
-    recvs[p] = Block{true, base + lo(p) * es, size_t(len(p)) * es};
+    sends[p] = Block{true, base + off[rank_] * es, mine};
+    recvs[p] = Block{true, base + off[p] * es, size_t(off[p + 1] - off[p]) * es};
   }
   exchange(what + " all-gather", &t, sends, recvs);
 }
@@ -212,9 +229,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   check_dense(t, "cam inter-host reduce");
   ++seq_;
   const std::string what = op_name("reduce");
-  const kernels::RedOp red = red_op_of(opts.reduceOp);
-  const char* why = kernels::reduce_unsupported(t.scalar_type(), red);
-  TORCH_CHECK(*why == 0, what, ": cannot reduce ", t.scalar_type(), " with ", kernels::red_op_name(red), ": ", why);
+  const kernels::RedOp red = checked_red_op(what, opts.reduceOp, t.scalar_type());
   const int root = root_of(opts.rootRank, "reduce");
   std::vector<Block> sends(size_), recvs(size_);
   at::Tensor all;
@@ -306,6 +321,39 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall(std::vector<at::Tensor>
     off += outputs[p].numel();
   }
   return done(rank_, c10d::OpType::ALLTOALL, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::AllgatherOptions&) {
+  check_dense(input, "cam inter-host all_gather");
+  check_dense(output, "cam inter-host all_gather");
+  ++seq_;
+  const std::string what = op_name("all_gather");
+  TORCH_CHECK(output.nbytes() == size_t(size_) * input.nbytes() && output.scalar_type() == input.scalar_type(), what,
+              ": the output holds ", output.numel(), " elements of ", output.scalar_type(), ", expected ",
+              int64_t(size_) * input.numel(), " (", size_, " x ", input.numel(), ") of ", input.scalar_type());
+  char* out = static_cast<char*>(output.data_ptr());
+  std::vector<Block> sends(size_, Block{true, input.data_ptr(), input.nbytes()}), recvs(size_);
+  for (int p = 0; p < size_; ++p) recvs[p] = Block{true, out + size_t(p) * input.nbytes(), input.nbytes()};
+  exchange(what, &input, sends, recvs);
+  if (input.nbytes()) std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
+  return done(rank_, c10d::OpType::_ALLGATHER_BASE, {output});
+}
+
+c10::intrusive_ptr<c10d::Work> OneSidedBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                     const c10d::ReduceScatterOptions& opts) {
+  check_dense(input, "cam inter-host reduce_scatter");
+  check_dense(output, "cam inter-host reduce_scatter");
+  ++seq_;
+  const std::string what = op_name("reduce_scatter");
+  const int64_t n = output.numel();
+  TORCH_CHECK(input.numel() == int64_t(size_) * n && output.scalar_type() == input.scalar_type(), what,
+              ": the input holds ", input.numel(), " elements of ", input.scalar_type(), ", expected ",
+              int64_t(size_) * n, " (", size_, " x ", n, ") of ", output.scalar_type());
+  std::vector<int64_t> off(size_ + 1);
+  for (int p = 0; p <= size_; ++p) off[p] = int64_t(p) * n;
+  reduce_blocks(what, input, off, opts.reduceOp, output.data_ptr());
+  return done(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, {output});
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,

@@ -11,6 +11,8 @@
 // less for small messages).
 //   broadcast     the root's tensor read by every rank
 //   all_to_all    block p read by rank p (the own block copied locally); list forms flattened
+//   all_gather    every rank's input read by every rank into its row of the output
+//   reduce_scatter  rank p reads block p of every input and reduces them in rank order
 //   gather/scatter  the root reads every block / every rank reads its block from the root
 //   barrier       an exchange of empty blocks
 //   all_reduce    up to kOneShotMaxBytes: every rank reads every input and reduces them in rank
@@ -53,6 +55,10 @@ class OneSidedBackend : public c10d::Backend {
                                                const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
@@ -72,6 +78,10 @@ class OneSidedBackend : public c10d::Backend {
   void exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
                 const std::vector<Block>& recvs);
   void allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op);
+  // Rank p reduces, in rank order, block p (elements off[p] .. off[p + 1]) of every rank's `in`
+  // into `out`, which holds this rank's block's elements and may be that block itself.
+  void reduce_blocks(const std::string& what, const at::Tensor& in, const std::vector<int64_t>& off,
+                     const c10d::ReduceOp& op, void* out);
   std::string op_name(const char* op) const;
   int root_of(int64_t root, const char* op) const;  // raises unless root is a rank of the group
 
