@@ -28,7 +28,7 @@ run 600 tests/test_afd.py
 run 600 tests/test_heap_allocator.py
 # Every collective, p2p and MoE test again with ordinary tensors born in the process heap.
 TORCH_CAM_HEAP_ALLOCATOR=65536 run 900 tests/test_ops.py tests/test_collectives.py tests/test_moe.py
-run 300 tests/test_one_sided.py
+run 300 tests/test_one_sided.py tests/test_moe_over_loopback.py
 run 900 tests/test_hierarchical.py
 run_sh 600 tests/test_multihost.sh
 run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py

@@ -299,7 +299,7 @@ class MoeCases(CamProcessGroupCase):
                lambda: torch_cam.moe_distribute_combine(ym, good, expand_idx, ep_recv_counts, None, self.pg, W, r, M))
         # Fewer expert-output rows than dispatch served: refused before any row is read.
         served = torch.tensor([int(ep_recv_counts[-1])])
-        dist.broadcast(served, 0)  # rank 0's count decides, on every rank alike
+        dist.broadcast(served, group=self.pg, group_src=0)  # rank 0's count decides, on every rank alike
         if int(served) > 0:
             short = y[: int(served) - 1] if r == 0 else y
             expect(r"(rank 0 refused its arguments|on rank 0): segment \d+ \[\d+, \d+\) lies outside the \d+ "

@@ -12,14 +12,18 @@ import torch
 import torch.distributed as dist
 
 import torch_cam
+from torch._C._distributed_c10d import AllgatherOptions
 
 TIMEOUT_S = 3.0
 
 
-def run_threads(world, fn, timeout_s=TIMEOUT_S, join_s=30.0):
-    """fn(rank, backend) on `world` threads over one fabric -> (results, errors, seconds, fabric)."""
+def run_threads(world, fn, timeout_s=TIMEOUT_S, join_s=30.0, make=None):
+    """fn(rank, backend, fabric) on `world` threads over one fabric -> (results, errors,
+    seconds); make(backend, rank), if given, makes what fn gets from the rank's backend."""
     fabric = torch_cam._C.LoopbackFabric(world, timeout_s)
     backends = [torch_cam._C.OneSidedBackend.over_loopback(fabric, r) for r in range(world)]
+    if make is not None:
+        backends = [make(b, r) for r, b in enumerate(backends)]
     results, errors, took = [None] * world, [None] * world, [None] * world
 
     def body(r):
@@ -27,7 +31,7 @@ def run_threads(world, fn, timeout_s=TIMEOUT_S, join_s=30.0):
         try:
             results[r] = fn(r, backends[r], fabric)
         except Exception as e:  # noqa: BLE001 - reported per rank
-            errors[r] = str(e)
+            errors[r] = str(e) if make is None else f"{type(e).__name__}: {e}"
         took[r] = time.monotonic() - start
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
@@ -96,6 +100,40 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
                     want = reference(world, n, dtype, op)
                     for r in range(world):
                         self.assertTrue(torch.equal(results[r], want), f"world {world} n {n} {dtype} {op} rank {r}")
+
+    def test_all_gather_and_reduce_scatter(self):
+        # 3 elements per rank: eager blocks; 20011: read with get. reduce_scatter's block r is
+        # reduced in rank order, as all_reduce's shards are: bit-identical to the reference.
+        for world in (2, 3, 4):
+            for n in (3, 20011):
+                def fn(r, b, _):
+                    x = inputs(r, n, torch.float32)
+                    gathered = torch.empty(world * n)
+                    b._allgather_base(gathered, x, AllgatherOptions()).wait()
+                    y = inputs(r, world * n, torch.bfloat16)
+                    mine = torch.empty(n, dtype=torch.bfloat16)
+                    o = dist.ReduceScatterOptions()
+                    o.reduceOp = dist.ReduceOp.SUM
+                    b._reduce_scatter_base(mine, y, o).wait()
+                    return gathered, mine
+                results, errors, _ = run_threads(world, fn)
+                self.assert_ok(errors)
+                want_gather = torch.cat([inputs(r, n, torch.float32) for r in range(world)])
+                want_sum = reference(world, world * n, torch.bfloat16, dist.ReduceOp.SUM).view(world, n)
+                for r in range(world):
+                    self.assertTrue(torch.equal(results[r][0], want_gather), f"all_gather world {world} n {n} rank {r}")
+                    self.assertTrue(torch.equal(results[r][1], want_sum[r]), f"reduce_scatter world {world} n {n} rank {r}")
+
+    def test_all_gather_of_the_wrong_size_raises_before_any_byte_moves(self):
+        # Rank 1 refuses its own output; rank 0, left waiting, raises at the fabric's deadline
+        # (the hierarchical backend checks shapes on every rank before this engine runs).
+        def fn(r, b, _):
+            out = torch.empty(2 * 5 + (1 if r == 1 else 0))
+            b._allgather_base(out, torch.ones(5), AllgatherOptions()).wait()
+        _, errors, took = run_threads(2, fn)
+        self.assertIn("the output holds 11 elements of Float, expected 10 (2 x 5)", errors[1])
+        self.assertIsNotNone(errors[0])
+        self.assertLess(took[0], TIMEOUT_S + 5)
 
     def test_reduce_to_each_root(self):
         world, n = 3, 20000

@@ -58,9 +58,12 @@ _hosts: "weakref.WeakValueDictionary[str, HostsMoe]" = weakref.WeakValueDictiona
 
 
 def moe_backend(group):
-    """What the MoE ops run on for ``group``: its CamBackend (one host) or a HostsMoe."""
+    """What the MoE ops run on for ``group``: its CamBackend (one host), else a HostsMoe over
+    the group's collectives (a group that spans hosts, or one whose backend is cam's one-sided
+    engine alone, as the in-process test transport's groups are)."""
     group = group if group is not None else dist.group.WORLD
-    if spanning_backend(group) is None:
+    if spanning_backend(group) is None and not isinstance(group._get_backend(torch.device("cpu")),
+                                                          _C.OneSidedBackend):
         return get_cam_backend(group)
     name = group.group_name
     moe = _hosts.get(name)
