@@ -13,8 +13,8 @@
 #include "../algo/rounds.hpp"
 #include "../moe/moe_ops.hpp"
 #include "../core/recycling_pool.hpp"
-#include "cam_work.hpp"
-#include "engine.hpp"
+#include "../runtime/cam_work.hpp"
+#include "../runtime/engine.hpp"
 
 namespace cam {
 

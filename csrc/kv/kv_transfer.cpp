@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "../backend/cam_work.hpp"
+#include "../runtime/cam_work.hpp"
 #include "../core/errors.hpp"
 
 namespace cam::kv {

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "../backend/engine.hpp"
+#include "../runtime/engine.hpp"
 #include "kv_control.hpp"
 #include "kv_copy_plan.hpp"
 #include "kv_peer.hpp"
