@@ -62,8 +62,8 @@ def moe_backend(group):
     the group's collectives (a group that spans hosts, or one whose backend is cam's one-sided
     engine alone, as the in-process test transport's groups are)."""
     group = group if group is not None else dist.group.WORLD
-    if spanning_backend(group) is None and not isinstance(group._get_backend(torch.device("cpu")),
-                                                          _C.OneSidedBackend):
+    over_one_sided = group is not None and isinstance(group._get_backend(torch.device("cpu")), _C.OneSidedBackend)
+    if spanning_backend(group) is None and not over_one_sided:
         return get_cam_backend(group)
     name = group.group_name
     moe = _hosts.get(name)

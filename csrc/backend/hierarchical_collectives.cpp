@@ -15,8 +15,8 @@
 //     gathers each host's block locally straight into its rows of the output.
 //   Intermediate buffers come from the group's recycling pool (scratch()).
 //   reduce_scatter: local reduce_scatter of rows ordered by (local index, host), then a rail
-//     reduce_scatter of those H rows (uniform; over gloo an all_reduce of them); else local reduce, leaders all_reduce the host
-//     blocks, local broadcast of the host's block.
+//     reduce_scatter of those H rows (uniform; over gloo an all_reduce of them); else local
+//     reduce, leaders all_reduce the host blocks, local broadcast of the host's block.
 //   reduce: local reduce, leaders reduce to the root's host, local broadcast there if the root
 //     is not its leader. barrier: local, leaders, local.
 //   gather, scatter, all_to_all: the inter-host backend over all ranks, directly.
