@@ -110,6 +110,10 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
                     x = inputs(r, n, torch.float32)
                     gathered = torch.empty(world * n)
                     b._allgather_base(gathered, x, AllgatherOptions()).wait()
+                    in_place = torch.empty(world * n)
+                    in_place[r * n:(r + 1) * n] = x  # the input is this rank's row of the output
+                    b._allgather_base(in_place, in_place[r * n:(r + 1) * n], AllgatherOptions()).wait()
+                    self.assertTrue(torch.equal(in_place, gathered), f"in-place all_gather rank {r}")
                     y = inputs(r, world * n, torch.bfloat16)
                     mine = torch.empty(n, dtype=torch.bfloat16)
                     o = dist.ReduceScatterOptions()

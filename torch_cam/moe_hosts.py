@@ -97,7 +97,10 @@ def _rows_at(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _place(dst: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor) -> None:
     """dst[pos[i]] = rows[i] for uint8 ``rows`` of dst's row width (a memcpy per row, not the
-    per-element scatter of advanced indexing)."""
+    per-element scatter of advanced indexing). dst must be contiguous: _bytes would otherwise
+    place into a copy."""
+    if not dst.is_contiguous():
+        raise RuntimeError(f"cam moe: rows are placed into a tensor of shape {tuple(dst.shape)} that is not contiguous")
     _C.moe_place_rows(rows, pos.contiguous(), _bytes(dst))
 
 

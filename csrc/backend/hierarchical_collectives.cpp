@@ -138,7 +138,8 @@ void HierarchicalBackend::broadcast_one(at::Tensor t, int root) {
 
 void HierarchicalBackend::exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host) {
   if (one_sided(hosts)) {
-    inter_step(hosts._allgather_base(by_host, const_cast<at::Tensor&>(mine), c10d::AllgatherOptions()));
+    at::Tensor in = mine;  // c10d takes its arguments by non-const reference
+    inter_step(hosts._allgather_base(by_host, in, c10d::AllgatherOptions()));
     return;
   }
   // Over gloo, an all_to_all that sends `mine` to every other host: gloo's all_gather moves the

@@ -336,7 +336,9 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& outp
   std::vector<Block> sends(size_, Block{true, input.data_ptr(), input.nbytes()}), recvs(size_);
   for (int p = 0; p < size_; ++p) recvs[p] = Block{true, out + size_t(p) * input.nbytes(), input.nbytes()};
   exchange(what, &input, sends, recvs);
-  if (input.nbytes()) std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
+  // An input that already is this rank's row of the output (an in-place all_gather) stays.
+  if (input.nbytes() && recvs[rank_].ptr != input.data_ptr())
+    std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
   return done(rank_, c10d::OpType::_ALLGATHER_BASE, {output});
 }
 
