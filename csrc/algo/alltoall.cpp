@@ -23,9 +23,9 @@ void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
     in_heap = send_[j].nbytes == 0 || ctx.heap_offset(send_[j].ptr, send_[j].nbytes) >= 0;
   }
   d->heap_off = in_heap ? 0 : -1;
-  int64_t* s = ctx.L.desc_send_bytes(d);
-  int64_t* r = ctx.L.desc_recv_bytes(d);
-  uint64_t* a = ctx.L.desc_send_addr(d);
+  int64_t* s = ctx.coll.desc_send_bytes(d);
+  int64_t* r = ctx.coll.desc_recv_bytes(d);
+  uint64_t* a = ctx.coll.desc_send_addr(d);
   for (int j = 0; j < ctx.world; ++j) {
     s[j] = send_[j].nbytes;
     r[j] = recv_[j].nbytes;
@@ -48,9 +48,9 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
     }
   }
   for (int a = 0; a < ctx.world; ++a) {
-    const int64_t* sends = ctx.L.desc_send_bytes(descs[a]);
+    const int64_t* sends = ctx.coll.desc_send_bytes(descs[a]);
     for (int b = 0; b < ctx.world; ++b) {
-      const int64_t* recvs = ctx.L.desc_recv_bytes(descs[b]);
+      const int64_t* recvs = ctx.coll.desc_recv_bytes(descs[b]);
       if (sends[b] != recvs[a]) {
         refuse(ctx, str(who(a), " sends ", describe_bytes(sends[b], dtype_), " to ", who(b), " but ",
                         who(b), " expects ", describe_bytes(recvs[a], dtype_), " from ", who(a),
@@ -76,15 +76,15 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
     if (p == me) continue;
     direct_send_[p] = direct(me, p, send_[p].nbytes);
     direct_recv_[p] = direct(p, me, recv_[p].nbytes);
-    src_addr_[p] = ctx.L.desc_send_addr(descs[p])[me];
+    src_addr_[p] = ctx.coll.desc_send_addr(descs[p])[me];
   }
 }
 
 bool AllToAllOp::data_step(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   const int me = ctx.rank, n = ctx.world;
   if (nslots_ == 0) {
-    region_bytes_ = L.coll_bytes() / n / 64 * 64;
+    region_bytes_ = W.staging_bytes() / n / 64 * 64;
     slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, region_bytes_ / 2) / 64 * 64;
     nslots_ = region_bytes_ / slot_bytes_;
     auto chunks = [&](int64_t bytes) { return (bytes + slot_bytes_ - 1) / slot_bytes_; };
@@ -103,14 +103,14 @@ bool AllToAllOp::data_step(Context& ctx) {
     progress = true;
   }
   bool all_done = true;
-  char* my_region = L.coll_region(ctx.me);
+  char* my_region = W.staging(ctx.me);
   // Peers are visited in a rotated order so that ranks do not all hit one peer at once.
   for (int d = 1; d < n; ++d) {
     const int dst = (me + d) % n;
     const int64_t nsend = nsend_[dst];
     if (direct_send_[dst] && sent_[dst] == 0) {
       // dst reads the block itself; the op may finish only once it says it is done.
-      if (signal_acquire(L.consumed(ctx.peer(dst), me)) >= stream_value(seq(), 1)) {
+      if (signal_acquire(W.consumed(ctx.peer(dst), me)) >= stream_value(seq(), 1)) {
         sent_[dst] = 1;
         progress = true;
       } else {
@@ -118,7 +118,7 @@ bool AllToAllOp::data_step(Context& ctx) {
       }
       all_done &= sent_[dst] == 1;
     } else if (sent_[dst] < nsend) {
-      const uint64_t released = signal_acquire(L.consumed(ctx.peer(dst), me));
+      const uint64_t released = signal_acquire(W.consumed(ctx.peer(dst), me));
       char* ring = my_region + dst * region_bytes_;
       while (sent_[dst] < nsend) {
         const int64_t k = sent_[dst];
@@ -131,7 +131,7 @@ bool AllToAllOp::data_step(Context& ctx) {
         kernels::copy_bytes(ring + (k % nslots_) * slot_bytes_, send_[dst].ptr + off, len);
         ctx.stats.add(ctx.stats.staged_bytes, len);
         kernels::store_fence();
-        signal_release(L.produced(ctx.me, dst), stream_value(seq(), k + 1));
+        signal_release(W.produced(ctx.me, dst), stream_value(seq(), k + 1));
         ++sent_[dst];
         progress = true;
       }
@@ -155,13 +155,13 @@ bool AllToAllOp::data_step(Context& ctx) {
       direct_done_[src] += piece;
       progress = true;
       if (direct_done_[src] == total) {
-        signal_release(L.consumed(ctx.me, src), stream_value(seq(), 1));
+        signal_release(W.consumed(ctx.me, src), stream_value(seq(), 1));
         received_[src] = 1;
       }
       all_done &= received_[src] == 1;
     } else if (received_[src] < nrecv) {
-      const uint64_t ready = signal_acquire(L.produced(ctx.peer(src), me));
-      const char* ring = L.coll_region(ctx.peer(src)) + me * region_bytes_;
+      const uint64_t ready = signal_acquire(W.produced(ctx.peer(src), me));
+      const char* ring = W.staging(ctx.peer(src)) + me * region_bytes_;
       while (received_[src] < nrecv) {
         const int64_t k = received_[src];
         if (ready < stream_value(seq(), k + 1)) {
@@ -171,7 +171,7 @@ bool AllToAllOp::data_step(Context& ctx) {
         const int64_t off = k * slot_bytes_;
         kernels::copy_bytes(recv_[src].ptr + off, ring + (k % nslots_) * slot_bytes_,
                             std::min(slot_bytes_, recv_[src].nbytes - off));
-        signal_release(L.consumed(ctx.me, src), stream_value(seq(), k + 1));
+        signal_release(W.consumed(ctx.me, src), stream_value(seq(), k + 1));
         ++received_[src];
         progress = true;
       }

@@ -42,12 +42,12 @@ void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& des
 }
 
 bool BroadcastOp::in_place_step(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   if (ctx.rank == root_) {
     // The receivers copy straight out of the root's tensor: it must stay untouched until
     // every one of them says it is done.
     for (int p = 0; p < ctx.world; ++p) {
-      if (p != root_ && signal_acquire(L.consumed(ctx.peer(p), root_)) < stream_value(seq(), 1)) {
+      if (p != root_ && signal_acquire(W.consumed(ctx.peer(p), root_)) < stream_value(seq(), 1)) {
         waiting(p, "the in-place read of the broadcast tensor");
         return false;
       }
@@ -62,7 +62,7 @@ bool BroadcastOp::in_place_step(Context& ctx) {
   ctx.stats.add(ctx.stats.heap_read_bytes, piece);
   next_chunk_ += piece;
   if (next_chunk_ == nbytes_) {
-    signal_release(L.consumed(ctx.me, root_), stream_value(seq(), 1));
+    signal_release(W.consumed(ctx.me, root_), stream_value(seq(), 1));
     mark_done();
   }
   return true;
@@ -70,22 +70,22 @@ bool BroadcastOp::in_place_step(Context& ctx) {
 
 bool BroadcastOp::data_step(Context& ctx) {
   if (root_heap_off_ >= 0) return in_place_step(ctx);
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   if (nslots_ == 0) {
-    slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, L.coll_bytes() / 2) / 64 * 64;
-    nslots_ = L.coll_bytes() / slot_bytes_;
+    slot_bytes_ = std::min<int64_t>(ctx.cfg.chunk_bytes, W.staging_bytes() / 2) / 64 * 64;
+    nslots_ = W.staging_bytes() / slot_bytes_;
     nchunks_ = (nbytes_ + slot_bytes_ - 1) / slot_bytes_;
   }
   char* data = static_cast<char*>(buf_.data_ptr());
   bool progress = false;
   if (ctx.rank == root_) {
-    char* region = L.coll_region(ctx.me);
+    char* region = W.staging(ctx.me);
     for (; next_chunk_ < nchunks_; ++next_chunk_) {
       const int64_t k = next_chunk_;
       if (k >= nslots_) {  // slot k % nslots last held chunk k - nslots: all readers done?
         for (int p = 0; p < ctx.world; ++p) {
           if (p != ctx.rank &&
-              signal_acquire(L.consumed(ctx.peer(p), root_)) < stream_value(seq(), k - nslots_ + 1)) {
+              signal_acquire(W.consumed(ctx.peer(p), root_)) < stream_value(seq(), k - nslots_ + 1)) {
             waiting(p, "release of a broadcast slot");
             return progress;
           }
@@ -96,12 +96,12 @@ bool BroadcastOp::data_step(Context& ctx) {
       kernels::copy_bytes(region + (k % nslots_) * slot_bytes_, data + off, len);
       ctx.stats.add(ctx.stats.staged_bytes, len);
       kernels::store_fence();
-      signal_release(L.produced(ctx.me, root_), stream_value(seq(), k + 1));
+      signal_release(W.produced(ctx.me, root_), stream_value(seq(), k + 1));
       progress = true;
     }
   } else {
-    const char* region = L.coll_region(ctx.peer(root_));
-    const uint64_t ready = signal_acquire(L.produced(ctx.peer(root_), root_));
+    const char* region = W.staging(ctx.peer(root_));
+    const uint64_t ready = signal_acquire(W.produced(ctx.peer(root_), root_));
     for (; next_chunk_ < nchunks_; ++next_chunk_) {
       const int64_t k = next_chunk_;
       if (ready < stream_value(seq(), k + 1)) {
@@ -111,7 +111,7 @@ bool BroadcastOp::data_step(Context& ctx) {
       const int64_t off = k * slot_bytes_;
       kernels::copy_bytes(data + off, region + (k % nslots_) * slot_bytes_,
                           std::min(slot_bytes_, nbytes_ - off));
-      signal_release(L.consumed(ctx.me, root_), stream_value(seq(), k + 1));
+      signal_release(W.consumed(ctx.me, root_), stream_value(seq(), k + 1));
       progress = true;
     }
   }

@@ -43,18 +43,18 @@ std::string uneven_all_gather_mismatch(int other, bool this_rank_uneven) {
 }
 
 void CollectiveOp::publish(Context& ctx) {
-  const WindowLayout& L = ctx.L;
-  CollDesc* d = L.desc(ctx.me, seq());
-  std::memset(d, 0, L.desc_fixed_bytes());
+  const CollectiveWindow& W = ctx.coll;
+  CollDesc* d = W.desc(ctx.me, seq());
+  std::memset(d, 0, W.desc_fixed_bytes());
   d->op = int32_t(kind_);
   fill_desc(ctx, d);
   d->seq = seq();
-  signal_release(L.desc_seq(ctx.me), seq());
+  signal_release(W.desc_seq(ctx.me), seq());
 }
 
 void CollectiveOp::check_peer_descriptor(Context& ctx, int r, const CollDesc* d) const {
   if (d->refused) {
-    const char* text = ctx.L.desc_refusal(d);
+    const char* text = ctx.coll.desc_refusal(d);
     std::string why(text, strnlen(text, kRefusalTextBytes));
     refuse(ctx, r == ctx.rank ? why : str("rank ", r, " refused its arguments: ", why));
   }
@@ -66,10 +66,10 @@ void CollectiveOp::check_peer_descriptor(Context& ctx, int r, const CollDesc* d)
 }
 
 void CollectiveOp::check_descriptors(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   std::vector<const CollDesc*> descs(ctx.world);
   for (int r = 0; r < ctx.world; ++r) {
-    descs[r] = L.desc(ctx.peer(r), seq());
+    descs[r] = W.desc(ctx.peer(r), seq());
     TORCH_INTERNAL_ASSERT(descs[r]->seq == seq(), where(ctx.rank), ": rank ", r,
                           " descriptor slot holds seq ", descs[r]->seq);
   }
@@ -81,7 +81,7 @@ void CollectiveOp::check_descriptors(Context& ctx) {
 }
 
 bool CollectiveOp::step(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   bool progress = false;
   if (phase_ == Phase::kPublish) {
     publish(ctx);
@@ -97,14 +97,14 @@ bool CollectiveOp::step(Context& ctx) {
     if (record_arrivals_) {
       const auto now = Clock::now();
       for (int p = 0; p < ctx.world; ++p) {
-        if (arrival_us_[p] < 0 && signal_acquire(L.desc_seq(ctx.peer(p))) >= seq()) {
+        if (arrival_us_[p] < 0 && signal_acquire(W.desc_seq(ctx.peer(p))) >= seq()) {
           arrival_us_[p] = std::chrono::duration_cast<std::chrono::microseconds>(now - published_at_).count();
         }
       }
     }
     for (; next_peer_ < ctx.world; ++next_peer_) {
       if (next_peer_ == ctx.rank) continue;
-      if (signal_acquire(L.desc_seq(ctx.peer(next_peer_))) < seq()) {
+      if (signal_acquire(W.desc_seq(ctx.peer(next_peer_))) < seq()) {
         waiting(next_peer_, "the collective descriptor");
         return progress;
       }
@@ -121,14 +121,14 @@ bool CollectiveOp::step(Context& ctx) {
 
 void RefusedOp::fill_desc(Context& ctx, CollDesc* d) {
   d->refused = 1;
-  char* text = ctx.L.desc_refusal(d);
+  char* text = ctx.coll.desc_refusal(d);
   const size_t n = std::min(reason_.size(), kRefusalTextBytes - 1);
   std::memcpy(text, reason_.data(), n);
   text[n] = 0;
 }
 
 bool MonitoredBarrierOp::step(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   bool progress = false;
   my_rank_ = ctx.rank;
   if (!published_) {
@@ -139,15 +139,15 @@ bool MonitoredBarrierOp::step(Context& ctx) {
   if (ctx.rank == 0) {
     missing_.clear();
     for (int p = 1; p < ctx.world; ++p) {
-      if (signal_acquire(L.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
+      if (signal_acquire(W.desc_seq(ctx.peer(p))) < seq()) missing_.push_back(p);
     }
     if (!missing_.empty()) return progress;
     // Every rank has published seq, so each finished seq - 1 and reads no counter of it.
-    for (int p = 1; p < ctx.world; ++p) signal_release(L.produced(ctx.me, p), stream_value(seq(), 1));
-  } else if (signal_acquire(L.produced(ctx.peer(0), ctx.rank)) < stream_value(seq(), 1)) {
+    for (int p = 1; p < ctx.world; ++p) signal_release(W.produced(ctx.me, p), stream_value(seq(), 1));
+  } else if (signal_acquire(W.produced(ctx.peer(0), ctx.rank)) < stream_value(seq(), 1)) {
     // Rank 0 refused, or issued another collective: it will never release this barrier.
-    if (signal_acquire(L.desc_seq(ctx.peer(0))) >= seq()) {
-      const CollDesc* d0 = L.desc(ctx.peer(0), seq());
+    if (signal_acquire(W.desc_seq(ctx.peer(0))) >= seq()) {
+      const CollDesc* d0 = W.desc(ctx.peer(0), seq());
       if (d0->seq == seq()) check_peer_descriptor(ctx, 0, d0);
     }
     return progress;

@@ -20,6 +20,8 @@
 #include "../core/errors.hpp"
 #include "../transport/heap.hpp"
 #include "../transport/tensor_arena.hpp"
+#include "collective_window.hpp"
+#include "p2p_window.hpp"
 
 namespace cam {
 
@@ -31,11 +33,29 @@ struct Stats {
   void add(std::atomic<uint64_t>& counter, int64_t n) { counter.fetch_add(uint64_t(n), std::memory_order_relaxed); }
 };
 
-// What algorithms see of the world: the heap (windows of every rank) and the configuration.
+// The op families' parts of every window. Built by reserve() on a fresh layout, which the
+// caller then seals and hands to bind().
+struct OpWindows {
+  CollectiveWindow coll;
+  P2PWindow p2p;
+  static OpWindows reserve(WindowLayout& layout, const CamConfig& cfg) {
+    const int n = layout.world_size();
+    return {CollectiveWindow(layout, cfg.coll_region_bytes(n), cfg.eager_max_bytes),
+            P2PWindow(layout, cfg.p2p_ring_bytes(n))};
+  }
+  void bind(const WindowLayout& layout) {
+    coll.bind(layout);
+    p2p.bind(layout);
+  }
+};
+
+// What algorithms see of the world: the heap (windows of every rank), where their structures
+// lie in each window, and the configuration.
 struct Context {
   SymmetricHeap& heap;
   const CamConfig& cfg;
-  const WindowLayout& L;
+  const CollectiveWindow& coll;
+  const P2PWindow& p2p;
   int rank;
   int world;
   char* me;  // own window

@@ -101,7 +101,7 @@ void P2PEngine::read_in_place(Context& ctx, const Record& rec, void* dst) {
 
 void P2PEngine::bind(Context& ctx, const std::shared_ptr<Record>& rec,
                      const std::shared_ptr<RecvOp>& r, Finished& finished) {
-  AckSlot& a = ctx.L.ack(ctx.me, rec->src, rec->msg);
+  AckSlot& a = ctx.p2p.ack(ctx.me, rec->src, rec->msg);
   if (r->refused()) {
     // Tell the sender why this rank's recv refused; the message is dropped.
     a.expected_nbytes = 0;
@@ -178,7 +178,7 @@ bool P2PEngine::progress_acks(Context& ctx, int dst, Finished& finished) {
   bool progress = false;
   for (auto it = unacked.begin(); it != unacked.end();) {
     SendOp& s = *it->second;
-    const AckSlot& a = ctx.L.ack(ctx.peer(dst), ctx.rank, s.seq());
+    const AckSlot& a = ctx.p2p.ack(ctx.peer(dst), ctx.rank, s.seq());
     if (signal_acquire(a.seq) != s.seq() + 1) {
       s.waiting_on(dst);
       ++it;
@@ -207,10 +207,10 @@ bool P2PEngine::progress_acks(Context& ctx, int dst, Finished& finished) {
 bool P2PEngine::progress_tx(Context& ctx, int dst) {
   auto& q = tx_queue_[dst];
   if (q.empty()) return false;
-  const WindowLayout& L = ctx.L;
-  const int64_t R = L.p2p_ring_bytes();
-  char* ring = L.p2p_ring(ctx.me, dst);
-  uint64_t tail = signal_acquire(L.p2p_tail(ctx.peer(dst), ctx.rank));
+  const P2PWindow& W = ctx.p2p;
+  const int64_t R = W.ring_bytes();
+  char* ring = W.ring(ctx.me, dst);
+  uint64_t tail = signal_acquire(W.tail(ctx.peer(dst), ctx.rank));
   uint64_t& head = tx_head_[dst];
   const uint64_t head0 = head;
   while (!q.empty()) {
@@ -221,7 +221,7 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
       auto& unacked = tx_unacked_[dst];
       if (!unacked.empty() && unacked.begin()->first + kAckSlots <= msg) break;
       if (int64_t(R - (head - tail)) < int64_t(sizeof(MsgHeader))) {
-        tail = signal_acquire(L.p2p_tail(ctx.peer(dst), ctx.rank));
+        tail = signal_acquire(W.tail(ctx.peer(dst), ctx.rank));
         if (int64_t(R - (head - tail)) < int64_t(sizeof(MsgHeader))) break;
       }
       s.assign_index(msg);
@@ -237,8 +237,8 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
     while (s.written < framed) {
       int64_t space = R - int64_t(head - tail);
       if (space == 0) {
-        signal_release(L.p2p_head(ctx.me, dst), head);  // let the receiver start
-        tail = signal_acquire(L.p2p_tail(ctx.peer(dst), ctx.rank));
+        signal_release(W.head(ctx.me, dst), head);  // let the receiver start
+        tail = signal_acquire(W.tail(ctx.peer(dst), ctx.rank));
         space = R - int64_t(head - tail);
         if (space == 0) break;
       }
@@ -259,19 +259,19 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
   }
   if (head != head0) {
     kernels::store_fence();
-    signal_release(L.p2p_head(ctx.me, dst), head);
+    signal_release(W.head(ctx.me, dst), head);
     return true;
   }
   return false;
 }
 
 bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
-  const WindowLayout& L = ctx.L;
-  const int64_t R = L.p2p_ring_bytes();
-  const char* ring = L.p2p_ring(ctx.peer(src), ctx.rank);
+  const P2PWindow& W = ctx.p2p;
+  const int64_t R = W.ring_bytes();
+  const char* ring = W.ring(ctx.peer(src), ctx.rank);
   uint64_t& tail = rx_tail_[src];
   const uint64_t tail0 = tail;
-  uint64_t head = signal_acquire(L.p2p_head(ctx.peer(src), ctx.rank));
+  uint64_t head = signal_acquire(W.head(ctx.peer(src), ctx.rank));
   bool progress = false;
   for (int messages = 0; messages < 64; ++messages) {
     auto& cur = rx_cur_[src];
@@ -310,8 +310,8 @@ bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
     while (rec.consumed < payload) {
       int64_t avail = int64_t(head - tail);
       if (avail == 0) {
-        signal_release(L.p2p_tail(ctx.me, src), tail);  // hand space back before re-polling
-        head = signal_acquire(L.p2p_head(ctx.peer(src), ctx.rank));
+        signal_release(W.tail(ctx.me, src), tail);  // hand space back before re-polling
+        head = signal_acquire(W.head(ctx.peer(src), ctx.rank));
         avail = int64_t(head - tail);
         if (avail == 0) break;
       }
@@ -339,7 +339,7 @@ bool P2PEngine::progress_rx(Context& ctx, int src, Finished& finished) {
     }
     cur.reset();  // an unbound message stays queued in unexpected_[src], complete
   }
-  if (tail != tail0) signal_release(L.p2p_tail(ctx.me, src), tail);
+  if (tail != tail0) signal_release(W.tail(ctx.me, src), tail);
   return progress;
 }
 

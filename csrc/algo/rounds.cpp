@@ -37,14 +37,14 @@ void RoundsOp::fill_desc(Context& ctx, CollDesc* d) {
   d->red_op = int32_t(a_.red_op);
   d->algo = int32_t(a_.mode);
   if (a_.mode == RoundsMode::kAllReduceEager) {
-    // Published by the descriptor's release below; see WindowLayout::eager for why the half
+    // Published by the descriptor's release below; see CollectiveWindow::eager for why the half
     // is free.
-    kernels::copy_bytes(ctx.L.eager(ctx.me, seq()), in_, in_bytes_);
+    kernels::copy_bytes(ctx.coll.eager(ctx.me, seq()), in_, in_bytes_);
     ctx.stats.add(ctx.stats.staged_bytes, in_bytes_);
   }
   d->heap_off = ctx.heap_offset(in_, in_bytes_);
   if (a_.mode == RoundsMode::kReduceScatter) {
-    int64_t* blocks = ctx.L.desc_send_bytes(d);
+    int64_t* blocks = ctx.coll.desc_send_bytes(d);
     for (int j = 0; j < ctx.world; ++j) blocks[j] = block_bytes(ctx, j);
   }
 }
@@ -83,7 +83,7 @@ void RoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs)
   }
   if (a_.mode == RoundsMode::kReduceScatter) {
     for (int r = 0; r < ctx.world; ++r) {
-      const int64_t* theirs = ctx.L.desc_send_bytes(descs[r]);
+      const int64_t* theirs = ctx.coll.desc_send_bytes(descs[r]);
       for (int j = 0; j < ctx.world; ++j) {
         if (theirs[j] != block_bytes(ctx, j)) {
           refuse(ctx, str(who(r), " gives rank ", j, " a block of ",
@@ -128,7 +128,7 @@ void RoundsOp::plan(Context& ctx) {
     }
   }
   const int areas = parts_ + (result_area_ ? 1 : 0);
-  const int64_t region = ctx.L.coll_bytes();
+  const int64_t region = ctx.coll.staging_bytes();
   sub_ = std::min<int64_t>(ctx.cfg.chunk_bytes, region / (2 * areas)) / 64 * 64;
   TORCH_INTERNAL_ASSERT(sub_ >= 64, where(ctx.rank), ": staging region too small");
   slot_bytes_ = sub_ * areas;
@@ -149,11 +149,11 @@ RoundsOp::Piece RoundsOp::piece(int part, int64_t round) const {
 }
 
 char* RoundsOp::slot(Context& ctx, int rank, int64_t round) const {
-  return ctx.L.coll_region(ctx.peer(rank)) + (round % nslots_) * slot_bytes_;
+  return ctx.coll.staging(ctx.peer(rank)) + (round % nslots_) * slot_bytes_;
 }
 
 bool RoundsOp::stage(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   const int me = ctx.rank;
   bool progress = false;
   while (stages_ && staged_ < nrounds_) {
@@ -162,7 +162,7 @@ bool RoundsOp::stage(Context& ctx) {
       const uint64_t need = stream_value(seq(), k - nslots_ + 1);
       for (int p = 0; p < ctx.world; ++p) {
         if (p == me || (root_only() && p != a_.root)) continue;
-        if (signal_acquire(L.consumed(ctx.peer(p), me)) < need) {
+        if (signal_acquire(W.consumed(ctx.peer(p), me)) < need) {
           waiting(p, "release of a staging slot");
           return progress;
         }
@@ -178,7 +178,7 @@ bool RoundsOp::stage(Context& ctx) {
       ctx.stats.add(ctx.stats.staged_bytes, pc.len);
     }
     kernels::store_fence();
-    signal_release(L.produced(ctx.me, me), stream_value(seq(), k + 1));
+    signal_release(W.produced(ctx.me, me), stream_value(seq(), k + 1));
     ++staged_;
     progress = true;
   }
@@ -186,7 +186,7 @@ bool RoundsOp::stage(Context& ctx) {
 }
 
 bool RoundsOp::combine(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   const int me = ctx.rank, n = ctx.world;
   bool progress = false;
   while (reads_ && combined_ < nrounds_) {
@@ -195,14 +195,14 @@ bool RoundsOp::combine(Context& ctx) {
     if (stages_ && staged_ <= k) return progress;
     const uint64_t need = stream_value(seq(), k + 1);
     if (a_.mode == RoundsMode::kAllReduceEager) {
-      for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ : ctx.L.eager(ctx.peer(p), seq());
+      for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ : ctx.coll.eager(ctx.peer(p), seq());
       kernels::reduce(a_.input.scalar_type(), a_.red_op, out_, srcs_.data(), n, in_bytes_ / elem_, n);
       ++combined_;
       return true;
     }
     for (int d = 1; d < n && !zero_copy_; ++d) {
       const int p = (me + d) % n;
-      if (signal_acquire(L.produced(ctx.peer(p), p)) < need) {
+      if (signal_acquire(W.produced(ctx.peer(p), p)) < need) {
         waiting(p, "staged data");
         return progress;
       }
@@ -246,10 +246,10 @@ bool RoundsOp::combine(Context& ctx) {
     }
     if (result_area_) {
       kernels::store_fence();
-      signal_release(L.reduced(ctx.me), need);
+      signal_release(W.reduced(ctx.me), need);
     } else {
       for (int p = 0; p < n; ++p) {
-        if (p != me) signal_release(L.consumed(ctx.me, p), need);
+        if (p != me) signal_release(W.consumed(ctx.me, p), need);
       }
     }
     ++combined_;
@@ -259,7 +259,7 @@ bool RoundsOp::combine(Context& ctx) {
 }
 
 bool RoundsOp::gather_reduced(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   const int me = ctx.rank, n = ctx.world;
   bool progress = false;
   while (result_area_ && gathered_ < combined_) {
@@ -267,7 +267,7 @@ bool RoundsOp::gather_reduced(Context& ctx) {
     const uint64_t need = stream_value(seq(), k + 1);
     for (int d = 1; d < n; ++d) {
       const int p = (me + d) % n;
-      if (signal_acquire(L.reduced(ctx.peer(p))) < need) {
+      if (signal_acquire(W.reduced(ctx.peer(p))) < need) {
         waiting(p, "its reduced piece");
         return progress;
       }
@@ -280,7 +280,7 @@ bool RoundsOp::gather_reduced(Context& ctx) {
       if (zero_copy_ && p != me) ctx.stats.add(ctx.stats.heap_read_bytes, pc.len);
     }
     for (int p = 0; p < n; ++p) {
-      if (p != me) signal_release(L.consumed(ctx.me, p), need);
+      if (p != me) signal_release(W.consumed(ctx.me, p), need);
     }
     ++gathered_;
     progress = true;
@@ -293,7 +293,7 @@ bool RoundsOp::readers_released(Context& ctx) {
   const uint64_t need = stream_value(seq(), uint64_t(nrounds_));
   for (int p = 0; p < ctx.world; ++p) {
     if (p == ctx.rank || (root_only() && p != a_.root)) continue;
-    if (signal_acquire(ctx.L.consumed(ctx.peer(p), ctx.rank)) < need) {
+    if (signal_acquire(ctx.coll.consumed(ctx.peer(p), ctx.rank)) < need) {
       waiting(p, "the release of this rank's heap tensor");
       return false;
     }

@@ -20,11 +20,13 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   cpu_set_t cpus;
   const int ncpus = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
   if (ncpus > 0 && size > ncpus) cfg.spin_us = 0;
-  WindowLayout layout(size, cfg.p2p_ring_bytes(size), cfg.coll_region_bytes(size),
-                      cfg.tensor_heap_bytes, cfg.eager_max_bytes);
+  WindowLayout layout(size);
+  OpWindows windows = OpWindows::reserve(layout, cfg);
+  layout.seal(cfg.tensor_heap_bytes);
+  windows.bind(layout);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout, group_desc);
   output_pool_ = std::make_shared<RecyclingPool>(cfg.moe_output_cache_bytes);
-  engine_ = std::make_shared<Engine>(std::move(heap), std::move(cfg),
+  engine_ = std::make_shared<Engine>(std::move(heap), windows, std::move(cfg),
                                      FlightRecorder::Group{group_id_, group_desc, rank, size});
   if (engine_->config().log_level >= LogLevel::kInfo) log_init(ncpus);
 }

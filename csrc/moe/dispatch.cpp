@@ -15,11 +15,11 @@ void MoeOp::add_wait_times(const at::Tensor& wait_us) const {
 }
 
 bool MoeOp::release_and_wait(Context& ctx) {
-  const WindowLayout& L = ctx.L;
+  const CollectiveWindow& W = ctx.coll;
   bool progress = false;
   if (!released_) {
     for (int p = 0; p < ctx.world; ++p) {
-      if (p != ctx.rank) signal_release(L.consumed(ctx.me, p), stream_value(seq(), 1));
+      if (p != ctx.rank) signal_release(W.consumed(ctx.me, p), stream_value(seq(), 1));
     }
     released_ = true;
     progress = true;
@@ -27,7 +27,7 @@ bool MoeOp::release_and_wait(Context& ctx) {
   if (in_place_) {
     for (; next_reader_ < ctx.world; ++next_reader_) {
       if (next_reader_ == ctx.rank) continue;
-      if (signal_acquire(L.consumed(ctx.peer(next_reader_), ctx.rank)) < stream_value(seq(), 1)) {
+      if (signal_acquire(W.consumed(ctx.peer(next_reader_), ctx.rank)) < stream_value(seq(), 1)) {
         waiting(next_reader_, "the release of this rank's rows read in place");
         return progress;
       }

@@ -1,14 +1,12 @@
 #include "engine.hpp"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstring>
 
 namespace cam {
 
-Engine::Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg, FlightRecorder::Group group)
-    : heap_(std::move(heap)), cfg_(std::move(cfg)),
-      ctx_{*heap_, cfg_, heap_->layout(), heap_->rank(), heap_->world_size(), heap_->base(heap_->rank()), stats_},
+Engine::Engine(std::unique_ptr<SymmetricHeap> heap, OpWindows windows, CamConfig cfg, FlightRecorder::Group group)
+    : heap_(std::move(heap)), windows_(windows), cfg_(std::move(cfg)),
+      ctx_{*heap_, cfg_, windows_.coll, windows_.p2p, heap_->rank(), heap_->world_size(), heap_->base(heap_->rank()), stats_},
       recorder_(FlightRecorder::create(group, cfg_.flight_recorder_entries)),
       who_(str("group ", group.desc, " rank ", group.rank)),
       p2p_(heap_->world_size()), next_liveness_check_(Clock::now()) {
@@ -215,10 +213,8 @@ void Engine::check_deadlines_and_peers(Finished& finished) {
 }
 
 std::string Engine::peer_problem(int r) const {
-  const ErrorReport* rep = ctx_.L.error(ctx_.peer(r));
-  if (signal_acquire(rep->seq) != 0) {
-    return "failed: " + std::string(rep->text, strnlen(rep->text, kErrorTextBytes));
-  }
+  std::string reported = heap_->reported_failure(r);
+  if (!reported.empty()) return "failed: " + reported;
   std::string dead = heap_->peer_failure(r);
   return dead.empty() ? std::string() : "died (" + dead + ")";
 }
@@ -228,11 +224,7 @@ void Engine::fail_all(const std::string& why, Finished& finished, bool dump) {
   if (first) fatal_ = why;
   failed_.store(true);
   // Tell the peers, so that whoever waits on this rank fails now rather than at its timeout.
-  ErrorReport* rep = ctx_.L.error(ctx_.me);
-  if (signal_relaxed(rep->seq) == 0) {
-    std::snprintf(rep->text, kErrorTextBytes, "%s", why.c_str());
-    signal_release(rep->seq, 1);
-  }
+  heap_->report_failure(why);
   for (auto& op : pending_) {
     if (!op->done()) op->fail(std::make_exception_ptr(FatalError(why)));
     record_finished(*op, op->error());

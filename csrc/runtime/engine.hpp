@@ -30,8 +30,10 @@ namespace cam {
 
 class Engine {
  public:
-  // group: how the flight recorder and log lines name the group.
-  Engine(std::unique_ptr<SymmetricHeap> heap, CamConfig cfg, FlightRecorder::Group group);
+  // windows: where the op families' structures lie in the heap's windows (OpWindows::reserve
+  // on the layout the heap was built with). group: how the flight recorder and log lines name
+  // the group.
+  Engine(std::unique_ptr<SymmetricHeap> heap, OpWindows windows, CamConfig cfg, FlightRecorder::Group group);
   ~Engine();
   void shutdown();
 
@@ -74,6 +76,7 @@ class Engine {
   void wake_progress_thread();
 
   std::unique_ptr<SymmetricHeap> heap_;
+  const OpWindows windows_;
   CamConfig cfg_;
   Stats stats_;
   Context ctx_;

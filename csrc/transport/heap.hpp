@@ -1,6 +1,8 @@
 // SymmetricHeap: the one interface algorithms see of the transport. Every rank of the group
 // owns one window of identical layout; base(r) is where rank r's window is mapped in this
 // process. Whether that came from POSIX shm, CUDA IPC or a remote engine is not visible here.
+// Liveness (peer_failure) and failure reports (reported_failure, report_failure) are the
+// transport's: where a report lives and how a death is seen differ per transport.
 #pragma once
 
 #include <string>
@@ -26,6 +28,10 @@ class SymmetricHeap {
   virtual char* base(int rank) const = 0;
   // Empty when the peer is alive; otherwise a sentence saying why it is considered dead.
   virtual std::string peer_failure(int rank) const = 0;
+  // What rank r published as the failure of its group ("" while it published none).
+  virtual std::string reported_failure(int rank) const = 0;
+  // Publishes this rank's failure for its peers to read; only the first one is kept.
+  virtual void report_failure(const std::string& why) = 0;
   virtual int64_t peer_pid(int rank) const = 0;
 
   // Allocator of this rank's heap-resident tensors (in its window's tensor arena).

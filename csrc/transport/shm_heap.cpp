@@ -1,6 +1,7 @@
 #include "shm_heap.hpp"
 
 #include "../core/errors.hpp"
+#include "signal.hpp"
 
 #include <c10/util/Exception.h>
 #include <dirent.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -421,6 +423,19 @@ char* ShmHeap::peer_heap(int r, int64_t off) const {
 }
 
 std::string ShmHeap::peer_failure(int r) const { return process_gone(peers_[r].pid, peers_[r].start_time); }
+
+std::string ShmHeap::reported_failure(int r) const {
+  const ErrorReport* rep = layout_.error(bases_[r]);
+  if (signal_acquire(rep->seq) == 0) return std::string();
+  return std::string(rep->text, strnlen(rep->text, kErrorTextBytes));
+}
+
+void ShmHeap::report_failure(const std::string& why) {
+  ErrorReport* rep = layout_.error(bases_[rank_]);
+  if (signal_relaxed(rep->seq) != 0) return;
+  std::snprintf(rep->text, kErrorTextBytes, "%s", why.c_str());
+  signal_release(rep->seq, 1);
+}
 
 void ShmHeap::unmap_all() {
   for (int r = 0; r < world_; ++r) {

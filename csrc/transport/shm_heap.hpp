@@ -61,6 +61,8 @@ class ShmHeap final : public SymmetricHeap {
   const WindowLayout& layout() const override { return layout_; }
   char* base(int r) const override { return bases_[r]; }
   std::string peer_failure(int r) const override;
+  std::string reported_failure(int r) const override;
+  void report_failure(const std::string& why) override;
   int64_t peer_pid(int r) const override { return peers_[r].pid; }
   bool direct_read_available() const override { return direct_read_; }
   // Cross-memory attach (process_vm_readv): one kernel copy, no staging through the window.

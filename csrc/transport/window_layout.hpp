@@ -1,31 +1,27 @@
-// Window layout: what every rank's window of the symmetric heap holds, independent of how the
-// window was mapped (POSIX shm today; CUDA IPC or a remote engine later).
+// Window layout: the memory map of every rank's window of the symmetric heap, independent of
+// how the window was mapped (POSIX shm today; CUDA IPC or a remote engine later).
 //
-//   [control area]  header, error report, collective descriptors, stream counters,
-//                   p2p head/tail counters, p2p acknowledgement slots
-//   [eager area]    two halves (by collective parity) for small all_reduce inputs
-//   [p2p outboxes]  one byte ring per destination rank, written only by the owner
-//   [coll region]   staging area of collectives, written only by the owner
+//   [header]        magic, rank, world size, pid: what a peer checks when it maps the window
+//   [error report]  the failure this rank published for its peers (transport-owned)
+//   [control area]  regions reserved by the op families (their signal lines and descriptors):
+//                   cache-line aligned, zeroed when the window is created
+//   [data area]     regions reserved by the op families (rings, staging): page aligned
 //   [tensor arena]  heap-resident tensors of the owner (torch_cam.empty), which peers read in
 //                   place; its pages are reserved per allocation, not up front
 //
-// Everything a peer reads lives in the writer's own window except tails and acks, which live
-// in the consumer's window: every location has a single writer.
+// The transport knows only the header, the error report and the arena. What a region holds is
+// stated by the family that reserved it (algo/collective_window.hpp, algo/p2p_window.hpp), and
+// every rank reserves the same regions in the same order, so offsets agree across the group.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-
-#include "signal.hpp"
+#include <vector>
 
 namespace cam {
 
-constexpr uint64_t kWindowMagic = 0x43414d57494e0004ull;  // "CAMWIN" v4
-constexpr int kAckSlots = 64;           // unacknowledged p2p messages per (src, dst)
+constexpr uint64_t kWindowMagic = 0x43414d57494e0005ull;  // "CAMWIN" v5
 constexpr size_t kErrorTextBytes = 1024;
-// Why a rank refused its own arguments (collective descriptors, p2p acknowledgements).
-constexpr size_t kRefusalTextBytes = 512;
-constexpr size_t kAckReasonBytes = 224;
 
 struct alignas(64) WindowHeader {
   uint64_t magic;
@@ -42,108 +38,44 @@ struct alignas(64) ErrorReport {
   char text[kErrorTextBytes];
 };
 
-// What a rank is about to do in collective number `seq`. Every rank publishes one and reads
-// everyone's before any byte moves, so mismatches are found by all ranks alike.
-struct alignas(64) CollDesc {
-  uint64_t seq;
-  int32_t op;        // CollKind
-  int32_t root;
-  int32_t dtype;     // c10::ScalarType
-  int32_t elem_size;
-  int64_t nbytes;    // broadcast: payload bytes
-  // > 0: this rank reads blocks of at least this many bytes straight from the sender's memory
-  // (single-copy path); 0: everything sent to it is staged through the window.
-  int64_t direct_min_bytes;
-  // >= 0: this rank's input lives in its tensor arena at this offset (peers may read it in
-  // place; all-to-all: send_addr[] then holds arena offsets of the blocks); -1: it does not.
-  int64_t heap_off;
-  int32_t red_op;    // kernels::RedOp of reductions
-  int32_t algo;      // algorithm the rank chose (all ranks must agree)
-  // 1: this rank's own checks refused its arguments; the slot's refusal text says why and
-  // nothing else in the descriptor is meaningful.
-  int32_t refused;
-  // followed in the slot by int64 send_bytes[N], recv_bytes[N], send_addr[N] (all-to-all),
-  // then the refusal text (kRefusalTextBytes, NUL-terminated; written only when refused)
-};
-
-struct alignas(64) AckSlot {
-  uint64_t seq;            // 1 + message index, release-stored last
-  int64_t expected_nbytes; // what the matching recv holds (for the sender's error message)
-  int32_t status;          // AckStatus
-  int32_t expected_dtype;
-  char reason[kAckReasonBytes];  // kAckRefused: why the recv refused its own arguments
-};
-static_assert(sizeof(AckSlot) == 256);
-
-enum AckStatus : int32_t { kAckOk = 0, kAckSizeMismatch = 1, kAckRefused = 2 };
-
 class WindowLayout {
  public:
-  WindowLayout(int world_size, int64_t p2p_ring_bytes, int64_t coll_bytes, int64_t arena_bytes,
-               int64_t eager_bytes);
+  using Region = int;
+
+  explicit WindowLayout(int world_size);
+
+  // Reserve `bytes` in every window; the region's offset is known once the layout is sealed.
+  Region reserve_control(size_t bytes);
+  Region reserve_data(size_t bytes);
+  // Places every region, then the tensor arena of `arena_bytes` (rounded up to pages). Nothing
+  // can be reserved afterwards.
+  void seal(int64_t arena_bytes);
 
   int world_size() const { return n_; }
+  bool sealed() const { return sealed_; }
+  size_t offset(Region r) const;
   size_t control_bytes() const { return control_bytes_; }
   size_t total_bytes() const { return total_bytes_; }
   // The part reserved at creation (everything before the tensor arena).
   size_t reserved_bytes() const { return off_arena_; }
   int64_t arena_bytes() const { return arena_bytes_; }
-  int64_t p2p_ring_bytes() const { return p2p_ring_; }
-  int64_t coll_bytes() const { return coll_bytes_; }
-  size_t desc_slot_bytes() const { return desc_slot_; }
-  // What publishing clears of a slot: everything but the refusal text.
-  size_t desc_fixed_bytes() const { return desc_slot_ - kRefusalTextBytes; }
 
   WindowHeader* header(char* w) const { return reinterpret_cast<WindowHeader*>(w); }
   ErrorReport* error(char* w) const { return reinterpret_cast<ErrorReport*>(w + off_error_); }
-  uint64_t& desc_seq(char* w) const { return line(w, off_desc_seq_, 0); }
-  CollDesc* desc(char* w, uint64_t seq) const {
-    return reinterpret_cast<CollDesc*>(w + off_desc_ + (seq & 1) * desc_slot_);
-  }
-  int64_t* desc_send_bytes(CollDesc* d) const { return reinterpret_cast<int64_t*>(d + 1); }
-  int64_t* desc_recv_bytes(CollDesc* d) const { return desc_send_bytes(d) + n_; }
-  const int64_t* desc_send_bytes(const CollDesc* d) const { return reinterpret_cast<const int64_t*>(d + 1); }
-  const int64_t* desc_recv_bytes(const CollDesc* d) const { return desc_send_bytes(d) + n_; }
-  // Address, in the owner's address space, of its block for each destination.
-  uint64_t* desc_send_addr(CollDesc* d) const { return reinterpret_cast<uint64_t*>(desc_recv_bytes(d) + n_); }
-  const uint64_t* desc_send_addr(const CollDesc* d) const {
-    return reinterpret_cast<const uint64_t*>(desc_recv_bytes(d) + n_);
-  }
-  char* desc_refusal(CollDesc* d) const { return reinterpret_cast<char*>(d) + desc_fixed_bytes(); }
-  const char* desc_refusal(const CollDesc* d) const {
-    return reinterpret_cast<const char*>(d) + desc_fixed_bytes();
-  }
-  // Collective streams: produced[dst] in the producer's window, consumed[src] in the consumer's.
-  uint64_t& produced(char* w, int dst) const { return line(w, off_produced_, dst); }
-  uint64_t& consumed(char* w, int src) const { return line(w, off_consumed_, src); }
-  // Reduce-scatter + all-gather: rounds whose reduced piece the owner has published.
-  uint64_t& reduced(char* w) const { return line(w, off_reduced_, 0); }
-  // P2P byte streams: head[dst] (bytes written) in the sender's window, tail[src] (bytes
-  // consumed) in the receiver's window.
-  uint64_t& p2p_head(char* w, int dst) const { return line(w, off_p2p_head_, dst); }
-  uint64_t& p2p_tail(char* w, int src) const { return line(w, off_p2p_tail_, src); }
-  AckSlot& ack(char* w, int src, uint64_t msg) const {
-    return reinterpret_cast<AckSlot*>(w + off_ack_)[src * kAckSlots + (msg % kAckSlots)];
-  }
-  char* p2p_ring(char* w, int dst) const { return w + off_p2p_ + size_t(dst) * p2p_ring_; }
-  char* coll_region(char* w) const { return w + off_coll_; }
   char* arena(char* w) const { return w + off_arena_; }
-  // Eager all_reduce: collective seq's input, written before its descriptor is published. Two
-  // halves by seq parity: a rank that completed seq - 1 saw every descriptor of seq - 1, so
-  // every peer has finished seq - 2, the last reader of this half.
-  int64_t eager_bytes() const { return eager_bytes_; }
-  char* eager(char* w, uint64_t seq) const { return w + off_eager_ + (seq & 1) * eager_bytes_; }
 
  private:
-  uint64_t& line(char* w, size_t off, int i) const {
-    return reinterpret_cast<SignalLine*>(w + off)[i].value;
-  }
+  struct Reservation {
+    bool control;
+    size_t bytes;
+    size_t offset = 0;
+  };
+  Region reserve(bool control, size_t bytes);
   int n_;
-  int64_t p2p_ring_, coll_bytes_, arena_bytes_, eager_bytes_;
-  size_t desc_slot_;
-  size_t off_error_, off_desc_seq_, off_desc_, off_produced_, off_consumed_, off_reduced_, off_p2p_head_,
-      off_p2p_tail_, off_ack_, off_eager_, off_p2p_, off_coll_, off_arena_;
-  size_t control_bytes_, total_bytes_;
+  bool sealed_ = false;
+  std::vector<Reservation> regions_;
+  int64_t arena_bytes_ = 0;
+  size_t off_error_ = 0, off_arena_ = 0, control_bytes_ = 0, total_bytes_ = 0;
 };
 
 }  // namespace cam
