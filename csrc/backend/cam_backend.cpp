@@ -25,9 +25,11 @@ CamBackend::CamBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, i
   layout.seal(cfg.tensor_heap_bytes);
   windows.bind(layout);
   auto heap = std::make_unique<ShmHeap>(store, rank, size, layout, cfg.timeout, group_desc);
-  output_pool_ = std::make_shared<RecyclingPool>(cfg.moe_output_cache_bytes);
+  const int64_t moe_cache = cfg.moe_output_cache_bytes;
   engine_ = std::make_shared<Engine>(std::move(heap), windows, std::move(cfg),
                                      FlightRecorder::Group{group_id_, group_desc, rank, size});
+  issuer_ = std::make_shared<OpIssuer>(engine_, rank);
+  moe_ = std::make_unique<MoeGroup>(issuer_, rank, size, moe_cache);
   if (engine_->config().log_level >= LogLevel::kInfo) log_init(ncpus);
 }
 
@@ -66,10 +68,11 @@ CamBackend::~CamBackend() { engine_->shutdown(); }
 
 void CamBackend::shutdown() { engine_->shutdown(); }
 
-uint64_t CamBackend::getSequenceNumberForGroup() {
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  return coll_seq_;
-}
+uint64_t CamBackend::getSequenceNumberForGroup() { return issuer_->sequence_number(); }
+
+void CamBackend::startCoalescing() { issuer_->start_coalescing(); }
+
+c10::intrusive_ptr<c10d::Work> CamBackend::endCoalescing() { return issuer_->end_coalescing(); }
 
 int64_t CamBackend::window_bytes_mapped() const {
   return int64_t(engine_->heap().layout().total_bytes()) * size_;
@@ -84,8 +87,8 @@ std::map<std::string, int64_t> CamBackend::stats() const {
           {"heap_read_bytes", int64_t(s.heap_read_bytes.load())},
           {"tensor_heap_bytes", engine_->heap().arena()->capacity()},
           {"tensor_heap_in_use", engine_->heap().arena()->bytes_in_use()},
-          {"moe_stage_bytes", moe_stage_bytes()},
-          {"moe_output_cache_bytes", output_pool_->cached_bytes()}};
+          {"moe_stage_bytes", moe_->stage_bytes()},
+          {"moe_output_cache_bytes", moe_->output_cache_bytes()}};
 }
 
 at::Tensor CamBackend::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
@@ -139,12 +142,6 @@ at::Tensor CamBackend::allocateTensor(long size, at::TensorOptions options) {
   return empty({int64_t(size)}, c10::typeMetaToScalarType(options.dtype()));
 }
 
-Clock::time_point CamBackend::deadline(std::chrono::milliseconds op_timeout) const {
-  auto t = op_timeout == c10d::kUnsetTimeout || op_timeout.count() <= 0 ? engine_->config().timeout
-                                                                        : op_timeout;
-  return Clock::now() + t;
-}
-
 void CamBackend::check_tensor(const at::Tensor& t, const char* what) const {
   CAM_CHECK_ARG(t.defined(), "the ", what, " is undefined");
   CAM_CHECK_ARG(t.device().is_cpu(), "expected a CPU ", what,
@@ -171,74 +168,22 @@ void CamBackend::check_peer(int peer, const char* role) const {
               peer, " is out of range for a group of ", size_, " ranks (expected 0..", size_ - 1, ")");
 }
 
-c10::intrusive_ptr<c10d::Work> CamBackend::launch(std::shared_ptr<Op> op, c10d::OpType type,
-                                                  const char* title, std::vector<at::Tensor> inputs) {
-  engine_->submit(op, &inputs);
-  auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  if (coalescing_) coalesced_.push_back(work);
-  return work;
-}
-
-void CamBackend::startCoalescing() {
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  TORCH_CHECK(!coalescing_, "cam on rank ", rank_, ": startCoalescing called twice without endCoalescing");
-  coalescing_ = true;
-  coalesced_.clear();
-}
-
-c10::intrusive_ptr<c10d::Work> CamBackend::endCoalescing() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  {
-    std::lock_guard<std::mutex> lk(issue_mu_);
-    TORCH_CHECK(coalescing_, "cam on rank ", rank_, ": endCoalescing called without startCoalescing");
-    coalescing_ = false;
-    works.swap(coalesced_);
-  }
-  return c10::make_intrusive<CamCoalescedWork>(rank_, std::move(works));
-}
-
-void CamBackend::refuse_collective(const char* op, CollKind kind, const std::string& reason) {
-  auto dl = deadline(c10d::kUnsetTimeout);
-  uint64_t seq = 0;
-  launch_collective(
-      [&](uint64_t s) {
-        seq = s;
-        return std::make_shared<RefusedOp>(op, kind, s, dl, reason);
-      },
-      c10d::OpType::UNKNOWN, "cam:refused", {});
-  throw ValidationError(str("cam ", op, " (seq ", seq, ") on rank ", rank_, ": ", reason));
-}
-
-void CamBackend::refuse(const std::string& kind, const std::string& op, const std::string& reason) {
-  const CollKind k = coll_kind_of(kind);
-  // Ops keep their name as a pointer: names from front ends live for the process.
-  static std::mutex mu;
-  static std::set<std::string> names;
-  const char* name;
-  {
-    std::lock_guard<std::mutex> lk(mu);
-    name = names.insert(op).first->c_str();
-  }
-  refuse_collective(name, k, reason);
-}
-
 c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& opts) {
-  auto dl = deadline(opts.timeout);
-  return launch_collective([&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl); },
+  auto dl = issuer_->deadline(opts.timeout);
+  return issuer_->issue_collective([&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl); },
                            c10d::OpType::BARRIER, "cam:barrier", {});
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                      const c10d::BroadcastOptions& opts) {
-  return collective("broadcast", CollKind::kBroadcast, [&] {
+  return issuer_->collective("broadcast", CollKind::kBroadcast, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_writable(t, "tensor");
     check_peer(int(opts.rootRank), "root");
     CAM_CHECK_ARG(opts.rootTensor == 0, "expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
-    auto dl = deadline(opts.timeout);
+    auto dl = issuer_->deadline(opts.timeout);
     const int root = int(opts.rootRank);
-    return launch_collective(
+    return issuer_->issue_collective(
         [&](uint64_t seq) { return std::make_shared<BroadcastOp>(seq, dl, root, root == rank_, t); },
         c10d::OpType::BROADCAST, "cam:broadcast", tensors);
   });
@@ -280,7 +225,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall_base(at::Tensor& output, at:
                                                          std::vector<int64_t>& input_splits,
                                                          const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all_single";
-  return collective(op, CollKind::kAllToAll, [&] {
+  return issuer_->collective(op, CollKind::kAllToAll, [&] {
     check_tensor(input, "input tensor");
     check_tensor(output, "output tensor");
     check_writable(output, "output tensor");
@@ -306,9 +251,9 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall_base(at::Tensor& output, at:
       in_off += send[j].nbytes;
       out_off += recv[j].nbytes;
     }
-    auto dl = deadline(opts.timeout);
+    auto dl = issuer_->deadline(opts.timeout);
     const int dtype = int(input.scalar_type());
-    return launch_collective(
+    return issuer_->issue_collective(
         [&](uint64_t seq) {
           return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, dtype, std::move(send),
                                               std::move(recv), std::vector<at::Tensor>{in, out},
@@ -322,7 +267,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall(std::vector<at::Tensor>& out
                                                     std::vector<at::Tensor>& inputs,
                                                     const c10d::AllToAllOptions& opts) {
   const char* op = "all_to_all";
-  return collective(op, CollKind::kAllToAll, [&] {
+  return issuer_->collective(op, CollKind::kAllToAll, [&] {
     CAM_CHECK_ARG(int(inputs.size()) == size_ && int(outputs.size()) == size_, "expected ", size_, " input and ",
                   size_, " output tensors, got ", inputs.size(), " and ", outputs.size());
     check_tensor(inputs[0], "input tensor");
@@ -348,8 +293,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::alltoall(std::vector<at::Tensor>& out
       keep.push_back(in);
       keep.push_back(out);
     }
-    auto dl = deadline(opts.timeout);
-    return launch_collective(
+    auto dl = issuer_->deadline(opts.timeout);
+    return issuer_->issue_collective(
         [&](uint64_t seq) {
           return std::make_shared<AllToAllOp>(op, CollKind::kAllToAll, seq, dl, int(dtype), std::move(send),
                                               std::move(recv), std::move(keep), std::move(copy_back), outputs);
@@ -372,25 +317,22 @@ c10::intrusive_ptr<c10d::Work> CamBackend::p2p(bool is_send, int peer, int tag, 
   }
   const std::string msg = str("cam ", is_send ? "send" : "recv", " on rank ", rank_, ": ", reason);
   if (is_send) {
-    launch(std::make_shared<SendOp>(deadline(c10d::kUnsetTimeout), peer, tag, msg), c10d::OpType::SEND,
+    issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg), c10d::OpType::SEND,
            "cam:send", {});
   } else {
-    launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), peer, tag, msg),
+    issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg),
            c10d::OpType::RECV, "cam:recv", {});
   }
   throw ValidationError(msg);
 }
 
-uint64_t CamBackend::next_recv_seq() {
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  return ++recv_seq_;
-}
+uint64_t CamBackend::next_recv_seq() { return recv_seq_.fetch_add(1) + 1; }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_p2p_peer("send", dst, "destination");
   return p2p(true, dst, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
-    return launch(std::make_shared<SendOp>(deadline(c10d::kUnsetTimeout), dst, tag, t), c10d::OpType::SEND,
+    return issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), dst, tag, t), c10d::OpType::SEND,
                   "cam:send", tensors);
   });
 }
@@ -400,7 +342,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::recv(std::vector<at::Tensor>& tensors
   return p2p(false, src, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_writable(t, "tensor");
-    return launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), src, tag, t),
+    return issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), src, tag, t),
                   c10d::OpType::RECV, "cam:recv", tensors);
   });
 }
@@ -409,7 +351,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::recvAnysource(std::vector<at::Tensor>
   return p2p(false, -1, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_writable(t, "tensor");
-    return launch(std::make_shared<RecvOp>(next_recv_seq(), deadline(c10d::kUnsetTimeout), -1, tag, t),
+    return issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), -1, tag, t),
                   c10d::OpType::RECVANYSOURCE, "cam:recvAnySource", tensors);
   });
 }

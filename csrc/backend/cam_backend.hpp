@@ -1,20 +1,20 @@
 // CamBackend: the c10d::Backend registered as "cam". Each op checks its arguments on the
 // calling thread, builds an algorithm op and hands it to the Engine; the returned CamWork
 // completes when the op does. A check that fails raises on the calling thread and still takes
-// part in the op as a refusal (collective(), p2p()), so the peers fail at once too.
+// part in the op as a refusal (OpIssuer::collective, p2p()), so the peers fail at once too.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <map>
-#include <mutex>
 
 #include "../algo/rounds.hpp"
-#include "../moe/moe_ops.hpp"
-#include "../core/recycling_pool.hpp"
+#include "../moe/moe_group.hpp"
 #include "../runtime/cam_work.hpp"
 #include "../runtime/engine.hpp"
+#include "../runtime/op_issuer.hpp"
 
 namespace cam {
 
@@ -132,19 +132,15 @@ class CamBackend : public c10d::Backend {
 
   // For front ends that check their own arguments (MoE in Python): this rank's next
   // collective, of the named kind ("moe_dispatch", ...), is a refusal under `op`'s name.
-  [[noreturn]] void refuse(const std::string& kind, const std::string& op, const std::string& reason);
-
-  // MoE expert-parallel dispatch / combine over this group (moe.cpp, csrc/moe/).
-  c10::intrusive_ptr<c10d::Work> moe_dispatch(MoeDispatchArgs args, std::chrono::milliseconds timeout);
-  c10::intrusive_ptr<c10d::Work> moe_combine(MoeCombineArgs args, std::chrono::milliseconds timeout);
-  int64_t moe_stage_bytes() const;
-  // A tensor for an MoE op's output from the group's recycling pool (see recycling_pool.hpp).
-  at::Tensor moe_empty(at::IntArrayRef sizes, at::ScalarType dtype) { return output_pool_->empty(sizes, dtype); }
+  [[noreturn]] void refuse(const std::string& kind, const std::string& op, const std::string& reason) {
+    issuer_->refuse(kind, op, reason);
+  }
+  // MoE expert-parallel dispatch / combine over this group (csrc/moe/moe_group.hpp).
+  MoeGroup& moe() { return *moe_; }
 
  private:
   // At log level info: what the group chose (transport, sizes, thresholds, wait policy).
   void log_init(int ncpus) const;
-  Clock::time_point deadline(std::chrono::milliseconds op_timeout) const;
   const at::Tensor& single_tensor(std::vector<at::Tensor>& tensors) const;
   void check_tensor(const at::Tensor& t, const char* what = "tensor") const;
   void check_peer(int peer, const char* role) const;
@@ -168,75 +164,12 @@ class CamBackend : public c10d::Backend {
                                                std::chrono::milliseconds timeout,
                                                c10d::OpType type, const char* title,
                                                std::vector<at::Tensor> inputs);
-  c10::intrusive_ptr<c10d::Work> launch(std::shared_ptr<Op> op, c10d::OpType type,
-                                        const char* title, std::vector<at::Tensor> inputs);
-  // Builds and issues one collective: `build` checks the arguments and calls launch_*. When
-  // this rank's own checks refuse them (an ArgumentError, or an ATen error while bringing them
-  // into shape), the rank still takes part: it issues a RefusedOp under the next sequence
-  // number, so every peer fails the op at once naming this rank and its reason, and the group
-  // stays usable; the call raises here at once.
-  template <typename Build>
-  c10::intrusive_ptr<c10d::Work> collective(const char* op, CollKind kind, Build build);
-  [[noreturn]] void refuse_collective(const char* op, CollKind kind, const std::string& reason);
-  // Assigns the next collective sequence number and submits in that order.
-  template <typename MakeOp>
-  c10::intrusive_ptr<c10d::Work> launch_collective(MakeOp make, c10d::OpType type,
-                                                   const char* title, std::vector<at::Tensor> inputs);
-
-  MoeStage& moe_stage();
-  template <typename MoeOpT, typename Args>
-  c10::intrusive_ptr<c10d::Work> launch_moe(Args a, std::chrono::milliseconds timeout);
 
   std::shared_ptr<Engine> engine_;
-  std::unique_ptr<MoeStage> moe_stage_;  // created by the first MoE op (guarded by issue_mu_)
-  std::shared_ptr<RecyclingPool> output_pool_;
+  std::shared_ptr<OpIssuer> issuer_;
+  std::unique_ptr<MoeGroup> moe_;
   std::string group_id_;
-  mutable std::mutex issue_mu_;
-  uint64_t coll_seq_ = 0;
-  bool coalescing_ = false;  // guarded by issue_mu_
-  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
-  uint64_t recv_seq_ = 0;
+  std::atomic<uint64_t> recv_seq_{0};
 };
-
-// Defined here because both cam_backend.cpp and collectives.cpp issue collectives.
-template <typename MakeOp>
-inline c10::intrusive_ptr<c10d::Work> CamBackend::launch_collective(MakeOp make, c10d::OpType type,
-                                                             const char* title,
-                                                             std::vector<at::Tensor> inputs) {
-  std::shared_ptr<Op> op;
-  c10::intrusive_ptr<c10d::Work> work;
-  {
-    std::lock_guard<std::mutex> lk(issue_mu_);
-    op = make(coll_seq_ + 1);
-    ++coll_seq_;
-    engine_->submit(op, &inputs);
-    work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-    if (coalescing_) coalesced_.push_back(work);
-  }
-  return work;
-}
-
-// Inside a catch block: the reason of the argument error being handled (an ArgumentError, or an
-// ATen error while arguments were brought into shape); anything else is rethrown.
-inline std::string argument_error_reason() {
-  try {
-    throw;
-  } catch (const ArgumentError& e) {
-    return e.what();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-}
-
-template <typename Build>
-inline c10::intrusive_ptr<c10d::Work> CamBackend::collective(const char* op, CollKind kind, Build build) {
-  std::string reason;
-  try {
-    return build();
-  } catch (...) {
-    reason = argument_error_reason();
-  }
-  refuse_collective(op, kind, reason);
-}
 
 }  // namespace cam

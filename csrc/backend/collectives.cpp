@@ -109,8 +109,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::launch_rounds(const char* op, CollKin
                                                          std::chrono::milliseconds timeout,
                                                          c10d::OpType type, const char* title,
                                                          std::vector<at::Tensor> inputs) {
-  auto dl = deadline(timeout);
-  return launch_collective(
+  auto dl = issuer_->deadline(timeout);
+  return issuer_->issue_collective(
       [&](uint64_t seq) { return std::make_shared<RoundsOp>(op, kind, seq, dl, std::move(args)); },
       type, title, std::move(inputs));
 }
@@ -118,7 +118,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::launch_rounds(const char* op, CollKin
 c10::intrusive_ptr<c10d::Work> CamBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
-  return collective(op, CollKind::kAllReduce, [&] {
+  return issuer_->collective(op, CollKind::kAllReduce, [&] {
     const at::Tensor& t = single_tensor(tensors);
     RoundsArgs a;
     a.red_op = reduction(opts.reduceOp, t.scalar_type());
@@ -134,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allreduce(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> CamBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const char* op = "all_reduce_coalesced";
-  return collective(op, CollKind::kAllReduce, [&] {
+  return issuer_->collective(op, CollKind::kAllReduce, [&] {
     CAM_CHECK_ARG(!tensors.empty(), "expected at least one tensor");
     check_same_dtype(tensors, tensors[0].scalar_type(), "tensor", true);
     RoundsArgs a;
@@ -156,7 +156,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> CamBackend::reduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::ReduceOptions& opts) {
   const char* op = "reduce";
-  return collective(op, CollKind::kReduce, [&] {
+  return issuer_->collective(op, CollKind::kReduce, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_peer(int(opts.rootRank), "root");
     CAM_CHECK_ARG(opts.rootTensor == 0, "expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
@@ -180,7 +180,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at:
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather";
-  return collective(op, CollKind::kAllGather, [&] {
+  return issuer_->collective(op, CollKind::kAllGather, [&] {
     const at::Tensor& in = single_tensor(inputs);
     check_rank_list(outputs, "output");
     check_same_dtype(outputs[0], in.scalar_type(), "output tensor", true);
@@ -202,8 +202,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at:
         recv[r] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
         keep.push_back(o);
       }
-      auto dl = deadline(opts.timeout);
-      return launch_collective(
+      auto dl = issuer_->deadline(opts.timeout);
+      return issuer_->issue_collective(
           [&](uint64_t seq) {
             return std::make_shared<AllToAllOp>(op, CollKind::kAllGather, seq, dl, int(in.scalar_type()),
                                                 std::move(send), std::move(recv), std::move(keep),
@@ -227,7 +227,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at:
 c10::intrusive_ptr<c10d::Work> CamBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor";
-  return collective(op, CollKind::kAllGather, [&] {
+  return issuer_->collective(op, CollKind::kAllGather, [&] {
     check_tensor(input, "input tensor");
     check_tensor(output, "output tensor");
     CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
@@ -247,7 +247,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_coalesced";
-  return collective(op, CollKind::kAllGather, [&] {
+  return issuer_->collective(op, CollKind::kAllGather, [&] {
     CAM_CHECK_ARG(!inputs.empty(), "expected at least one input");
     const auto dtype = inputs[0].scalar_type();
     check_same_dtype(inputs, dtype, "input tensor");
@@ -284,7 +284,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_into_tensor_coalesced";
-  return collective(op, CollKind::kAllGather, [&] {
+  return issuer_->collective(op, CollKind::kAllGather, [&] {
     check_coalesced(outputs, inputs);
     for (size_t i = 0; i < inputs.size(); ++i) {
       check_numel(outputs[i], int64_t(size_) * inputs[i].numel(), str("output ", i));
@@ -314,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::gather(std::vector<std::vector<at::Te
                                                   std::vector<at::Tensor>& inputs,
                                                   const c10d::GatherOptions& opts) {
   const char* op = "gather";
-  return collective(op, CollKind::kGather, [&] {
+  return issuer_->collective(op, CollKind::kGather, [&] {
     const at::Tensor& in = single_tensor(inputs);
     check_peer(int(opts.rootRank), "root");
     const int root = int(opts.rootRank);
@@ -343,7 +343,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::scatter(std::vector<at::Tensor>& outp
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {
   const char* op = "scatter";
-  return collective(op, CollKind::kScatter, [&] {
+  return issuer_->collective(op, CollKind::kScatter, [&] {
     const at::Tensor& out = single_tensor(outputs);
     check_peer(int(opts.rootRank), "root");
     const int root = int(opts.rootRank);
@@ -365,9 +365,9 @@ c10::intrusive_ptr<c10d::Work> CamBackend::scatter(std::vector<at::Tensor>& outp
     at::Tensor o = dense(out, false, copy_back);
     recv[root] = {static_cast<char*>(o.data_ptr()), int64_t(o.nbytes())};
     keep.push_back(o);
-    auto dl = deadline(opts.timeout);
+    auto dl = issuer_->deadline(opts.timeout);
     const int dtype = int(out.scalar_type());
-    return launch_collective(
+    return issuer_->issue_collective(
         [&](uint64_t seq) {
           return std::make_shared<AllToAllOp>(op, CollKind::kScatter, seq, dl, dtype, std::move(send),
                                               std::move(recv), std::move(keep), std::move(copy_back),
@@ -381,7 +381,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter";
-  return collective(op, CollKind::kReduceScatter, [&] {
+  return issuer_->collective(op, CollKind::kReduceScatter, [&] {
     const at::Tensor& out = single_tensor(outputs);
     check_rank_list(inputs, "input");
     check_same_dtype(inputs[0], out.scalar_type(), "input tensor");
@@ -402,7 +402,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CamBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor";
-  return collective(op, CollKind::kReduceScatter, [&] {
+  return issuer_->collective(op, CollKind::kReduceScatter, [&] {
     check_tensor(input, "input tensor");
     check_tensor(output, "output tensor");
     CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
@@ -423,7 +423,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_tensor_coalesced";
-  return collective(op, CollKind::kReduceScatter, [&] {
+  return issuer_->collective(op, CollKind::kReduceScatter, [&] {
     const auto dtype = check_coalesced(outputs, inputs);
     std::vector<at::Tensor> rows;  // input i as [N, n_i]: block r goes to rank r
     for (size_t i = 0; i < inputs.size(); ++i) {
@@ -449,8 +449,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
 
 void CamBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   // A zero timeout means "now" here (gloo's semantics), not "the group's default".
-  auto dl = opts.timeout.count() == 0 ? Clock::now() : deadline(opts.timeout);
-  auto work = launch_collective(
+  auto dl = opts.timeout.count() == 0 ? Clock::now() : issuer_->deadline(opts.timeout);
+  auto work = issuer_->issue_collective(
       [&](uint64_t seq) { return std::make_shared<MonitoredBarrierOp>(seq, dl, wait_all_ranks); },
       c10d::OpType::BARRIER, "cam:monitored_barrier", {});
   work->wait();

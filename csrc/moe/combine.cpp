@@ -65,7 +65,7 @@ void MoeCombineOp::fill_desc(Context& ctx, CollDesc* d) {
     for (int64_t i = 0; i < nseg; ++i) {
       const int64_t first = seg[3 * i], count = seg[3 * i + 1];
       if (seg[3 * i + 2] == ctx.rank || count <= 0) continue;
-      // Segments were checked against the rows before the op was issued (CamBackend::moe_combine).
+      // Segments were checked against the rows before the op was issued (MoeGroup::combine).
       kernels::copy_bytes(s + rows_at + first * row_bytes, src + first * row_bytes, count * row_bytes);
       ctx.stats.add(ctx.stats.staged_bytes, count * row_bytes);
     }

@@ -125,7 +125,7 @@ PYBIND11_MODULE(_C, m) {
             a.out_counts = out_counts;
             a.out_occurrence = out_occurrence.value_or(at::Tensor());
             a.wait_us = wait_us.value_or(at::Tensor());
-            return b.moe_dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
+            return b.moe().dispatch(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
           py::arg("rows"), py::arg("ids"), py::arg("weights"), py::arg("aux"),
           py::arg("token_active"), py::arg("smooth"), py::arg("smooth_shift"), py::arg("num_experts"),
@@ -152,7 +152,7 @@ PYBIND11_MODULE(_C, m) {
             a.add_first = add_first;
             a.out = out;
             a.wait_us = wait_us.value_or(at::Tensor());
-            return b.moe_combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
+            return b.moe().combine(std::move(a), std::chrono::milliseconds(int64_t(timeout_s * 1000)));
           },
           py::arg("rows"), py::arg("segments"), py::arg("quant"), py::arg("plan_peer"),
           py::arg("plan_seg"), py::arg("plan_off"), py::arg("plan_weight"), py::arg("add"), py::arg("add_first"), py::arg("out"),
@@ -169,7 +169,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "moe_empty",
           [](cam::CamBackend& b, const std::vector<int64_t>& sizes, py::object dtype) {
-            return b.moe_empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+            return b.moe().empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
           },
           py::arg("sizes"), py::arg("dtype"), "An MoE output tensor from the recycling pool")
       .def("peer_arena_view", &cam::CamBackend::peer_arena_view, py::arg("rank"), py::arg("offset"),

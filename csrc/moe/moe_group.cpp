@@ -1,11 +1,6 @@
-// CamBackend: MoE dispatch and combine (csrc/moe/). The Python layer (torch_cam/moe.py)
-// translates torch_npu's, CAM's and DeepEP's arguments into these two ops and checks them
-// (refusing through refuse_collective); here everything the C++ side reads is checked again
-// (device, contiguity, dtypes, shapes, segment bounds), and a failure is a refusal too.
-#include "cam_backend.hpp"
+#include "moe_group.hpp"
 
 #include "../../kernels/moe_rows.hpp"
-#include "../moe/moe_ops.hpp"
 
 namespace cam {
 
@@ -28,29 +23,33 @@ void need_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, in
 }
 }  // namespace
 
+MoeGroup::MoeGroup(std::shared_ptr<OpIssuer> issuer, int rank, int size, int64_t output_cache_bytes)
+    : issuer_(std::move(issuer)), rank_(rank), size_(size),
+      output_pool_(std::make_shared<RecyclingPool>(output_cache_bytes)) {}
+
 template <typename MoeOpT, typename Args>
-c10::intrusive_ptr<c10d::Work> CamBackend::launch_moe(Args a, std::chrono::milliseconds timeout) {
+c10::intrusive_ptr<c10d::Work> MoeGroup::issue(Args a, std::chrono::milliseconds timeout) {
   if (a.wait_us.defined()) {
     need_tensor(a.wait_us, "performance_info", at::kLong, 1);
     need(a.wait_us.size(0) == size_, cam::str("performance_info must have ", size_, " entries (one per EP rank)"));
   }
-  MoeStage* stage = &moe_stage();
-  auto dl = deadline(timeout);
+  MoeStage* st = &stage();
+  auto dl = issuer_->deadline(timeout);
   std::vector<at::Tensor> inputs;
   if (a.rows.defined()) inputs.push_back(a.rows);
-  return launch_collective(
-      [&](uint64_t seq) { return std::make_shared<MoeOpT>(seq, dl, stage, std::move(a)); },
+  return issuer_->issue_collective(
+      [&](uint64_t seq) { return std::make_shared<MoeOpT>(seq, dl, st, std::move(a)); },
       c10d::OpType::ALLTOALL, MoeOpT::kTitle, std::move(inputs));
 }
 
-MoeStage& CamBackend::moe_stage() {
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  if (!moe_stage_) moe_stage_ = std::make_unique<MoeStage>(engine_->heap().arena());
-  return *moe_stage_;
+MoeStage& MoeGroup::stage() {
+  std::lock_guard<std::mutex> lk(stage_mu_);
+  if (!stage_) stage_ = std::make_unique<MoeStage>(issuer_->engine()->heap().arena());
+  return *stage_;
 }
 
-c10::intrusive_ptr<c10d::Work> CamBackend::moe_dispatch(MoeDispatchArgs a, std::chrono::milliseconds timeout) {
-  return collective("moe_dispatch", CollKind::kMoeDispatch, [&] {
+c10::intrusive_ptr<c10d::Work> MoeGroup::dispatch(MoeDispatchArgs a, std::chrono::milliseconds timeout) {
+  return issuer_->collective("moe_dispatch", CollKind::kMoeDispatch, [&] {
     for (const auto& [t, name] : {std::pair{a.rows, "token rows"}, {a.ids, "routing ids"}, {a.weights, "routing weights"},
                                   {a.aux, "per-token side data"}, {a.token_active, "token activity"},
                                   {a.smooth, "scales"}, {a.out_rows, "expand_x"}, {a.out_scales, "dynamic_scales"},
@@ -113,12 +112,12 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_dispatch(MoeDispatchArgs a, std::
       need(a.smooth.size(0) > a.num_experts - 1 + a.smooth_shift, cam::str("scales must have a row per expert (", a.num_experts + a.smooth_shift, " rows), got ",
                a.smooth.size(0)));
     }
-    return launch_moe<MoeDispatchOp>(std::move(a), timeout);
+    return issue<MoeDispatchOp>(std::move(a), timeout);
   });
 }
 
-c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::chrono::milliseconds timeout) {
-  return collective("moe_combine", CollKind::kMoeCombine, [&] {
+c10::intrusive_ptr<c10d::Work> MoeGroup::combine(MoeCombineArgs a, std::chrono::milliseconds timeout) {
+  return issuer_->collective("moe_combine", CollKind::kMoeCombine, [&] {
     for (const auto& [t, name] : {std::pair{a.rows, "expert output rows"}, {a.segments, "segments"},
                                   {a.plan_peer, "plan ranks"}, {a.plan_seg, "plan segments"},
                                   {a.plan_off, "plan offsets"}, {a.plan_weight, "plan weights"},
@@ -153,13 +152,13 @@ c10::intrusive_ptr<c10d::Work> CamBackend::moe_combine(MoeCombineArgs a, std::ch
       need(a.add.is_contiguous() && a.add.sizes() == a.out.sizes() &&
                (a.add.scalar_type() == a.out.scalar_type() || a.add.scalar_type() == at::kFloat), "the added rows must have the output's shape, and its dtype or float32");
     }
-    return launch_moe<MoeCombineOp>(std::move(a), timeout);
+    return issue<MoeCombineOp>(std::move(a), timeout);
   });
 }
 
-int64_t CamBackend::moe_stage_bytes() const {
-  std::lock_guard<std::mutex> lk(issue_mu_);
-  return moe_stage_ ? moe_stage_->bytes() : 0;
+int64_t MoeGroup::stage_bytes() const {
+  std::lock_guard<std::mutex> lk(stage_mu_);
+  return stage_ ? stage_->bytes() : 0;
 }
 
 }  // namespace cam
