@@ -10,7 +10,7 @@
 #include <atomic>
 #include <map>
 
-#include "../algo/rounds.hpp"
+#include "../algo/staged_rounds.hpp"
 #include "../moe/moe_group.hpp"
 #include "../runtime/cam_work.hpp"
 #include "../runtime/engine.hpp"
@@ -159,8 +159,8 @@ class CamBackend : public c10d::Backend {
                        const char* what) const;
   void check_numel(const at::Tensor& t, int64_t expected, const std::string& what) const;
   kernels::RedOp reduction(const c10d::ReduceOp& r, c10::ScalarType dtype) const;
-  RoundsMode allreduce_mode(int64_t nbytes) const;
-  c10::intrusive_ptr<c10d::Work> launch_rounds(const char* op, CollKind kind, RoundsArgs args,
+  StagedAlgo choose_allreduce(int64_t nbytes) const;
+  c10::intrusive_ptr<c10d::Work> launch_staged(const char* op, CollKind kind, StagedRoundsArgs args,
                                                std::chrono::milliseconds timeout,
                                                c10d::OpType type, const char* title,
                                                std::vector<at::Tensor> inputs);

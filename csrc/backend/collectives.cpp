@@ -6,7 +6,7 @@
 #include "cam_backend.hpp"
 
 #include "../algo/collective.hpp"
-#include "../algo/rounds.hpp"
+#include "../algo/staged_rounds.hpp"
 
 namespace cam {
 
@@ -91,27 +91,27 @@ kernels::RedOp CamBackend::reduction(const c10d::ReduceOp& r,
   return red;
 }
 
-RoundsMode CamBackend::allreduce_mode(int64_t nbytes) const {
+StagedAlgo CamBackend::choose_allreduce(int64_t nbytes) const {
   const CamConfig& cfg = engine_->config();
-  if (size_ == 1) return RoundsMode::kAllReduceOneShot;
+  if (size_ == 1) return StagedAlgo::kAllReduceOneShot;
   const bool eager = nbytes <= cfg.eager_max_bytes;
   switch (cfg.allreduce_algo) {
-    case AllReduceAlgo::kOneShot: return eager ? RoundsMode::kAllReduceEager : RoundsMode::kAllReduceOneShot;
-    case AllReduceAlgo::kTwoShot: return RoundsMode::kAllReduceTwoShot;
+    case AllReduceAlgo::kOneShot: return eager ? StagedAlgo::kAllReduceEager : StagedAlgo::kAllReduceOneShot;
+    case AllReduceAlgo::kTwoShot: return StagedAlgo::kAllReduceTwoShot;
     case AllReduceAlgo::kAuto: break;
   }
-  if (nbytes > cfg.one_shot_max_bytes) return RoundsMode::kAllReduceTwoShot;
-  return eager ? RoundsMode::kAllReduceEager : RoundsMode::kAllReduceOneShot;
+  if (nbytes > cfg.one_shot_max_bytes) return StagedAlgo::kAllReduceTwoShot;
+  return eager ? StagedAlgo::kAllReduceEager : StagedAlgo::kAllReduceOneShot;
 }
 
-c10::intrusive_ptr<c10d::Work> CamBackend::launch_rounds(const char* op, CollKind kind,
-                                                         RoundsArgs args,
+c10::intrusive_ptr<c10d::Work> CamBackend::launch_staged(const char* op, CollKind kind,
+                                                         StagedRoundsArgs args,
                                                          std::chrono::milliseconds timeout,
                                                          c10d::OpType type, const char* title,
                                                          std::vector<at::Tensor> inputs) {
   auto dl = issuer_->deadline(timeout);
   return issuer_->issue_collective(
-      [&](uint64_t seq) { return std::make_shared<RoundsOp>(op, kind, seq, dl, std::move(args)); },
+      [&](uint64_t seq) { return make_staged_rounds_op(op, kind, seq, dl, std::move(args)); },
       type, title, std::move(inputs));
 }
 
@@ -120,13 +120,13 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allreduce(std::vector<at::Tensor>& te
   const char* op = "all_reduce";
   return issuer_->collective(op, CollKind::kAllReduce, [&] {
     const at::Tensor& t = single_tensor(tensors);
-    RoundsArgs a;
+    StagedRoundsArgs a;
     a.red_op = reduction(opts.reduceOp, t.scalar_type());
     a.input = dense(t, true, a.copy_back);
     a.output = a.input;
-    a.mode = allreduce_mode(int64_t(t.nbytes()));
+    a.algo = choose_allreduce(int64_t(t.nbytes()));
     a.outputs = {t};
-    return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllReduce, std::move(a), opts.timeout,
                          c10d::OpType::ALLREDUCE, "cam:all_reduce", tensors);
   });
 }
@@ -137,7 +137,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allreduce_coalesced(
   return issuer_->collective(op, CollKind::kAllReduce, [&] {
     CAM_CHECK_ARG(!tensors.empty(), "expected at least one tensor");
     check_same_dtype(tensors, tensors[0].scalar_type(), "tensor", true);
-    RoundsArgs a;
+    StagedRoundsArgs a;
     a.red_op = reduction(opts.reduceOp, tensors[0].scalar_type());
     a.input = flatten(tensors);
     a.output = a.input;
@@ -146,9 +146,9 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allreduce_coalesced(
       a.copy_back.emplace_back(t, a.input.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
-    a.mode = allreduce_mode(int64_t(a.input.nbytes()));
+    a.algo = choose_allreduce(int64_t(a.input.nbytes()));
     a.outputs = tensors;
-    return launch_rounds(op, CollKind::kAllReduce, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllReduce, std::move(a), opts.timeout,
                          c10d::OpType::ALLREDUCE_COALESCED, "cam:all_reduce_coalesced", tensors);
   });
 }
@@ -160,8 +160,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce(std::vector<at::Tensor>& tenso
     const at::Tensor& t = single_tensor(tensors);
     check_peer(int(opts.rootRank), "root");
     CAM_CHECK_ARG(opts.rootTensor == 0, "expected rootTensor 0 (one tensor per rank), got ", opts.rootTensor);
-    RoundsArgs a;
-    a.mode = RoundsMode::kReduce;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kReduce;
     a.root = int(opts.rootRank);
     a.red_op = reduction(opts.reduceOp, t.scalar_type());
     if (a.root == rank_) {
@@ -171,7 +171,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce(std::vector<at::Tensor>& tenso
       a.input = t.contiguous();
     }
     a.outputs = {t};
-    return launch_rounds(op, CollKind::kReduce, std::move(a), opts.timeout, c10d::OpType::REDUCE,
+    return launch_staged(op, CollKind::kReduce, std::move(a), opts.timeout, c10d::OpType::REDUCE,
                          "cam:reduce", tensors);
   });
 }
@@ -211,15 +211,15 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather(std::vector<std::vector<at:
           },
           c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
     }
-    RoundsArgs a;
-    a.mode = RoundsMode::kAllGather;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kAllGather;
     a.input = in.contiguous();
     a.output = at::empty({int64_t(size_) * in.numel()}, in.options().memory_format(at::MemoryFormat::Contiguous));
     for (int r = 0; r < size_; ++r) {
       a.copy_back.emplace_back(outputs[0][r], a.output.narrow(0, r * in.numel(), in.numel()).view(outputs[0][r].sizes()));
     }
     a.outputs = outputs[0];
-    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllGather, std::move(a), opts.timeout,
                          c10d::OpType::ALLGATHER, "cam:all_gather", inputs);
   });
 }
@@ -233,12 +233,12 @@ c10::intrusive_ptr<c10d::Work> CamBackend::_allgather_base(at::Tensor& output, a
     CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
     check_numel(output, int64_t(size_) * input.numel(),
                 str("the output tensor (", size_, " x the input's ", input.numel(), ")"));
-    RoundsArgs a;
-    a.mode = RoundsMode::kAllGather;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kAllGather;
     a.input = input.contiguous();
     a.output = dense(output, false, a.copy_back);
     a.outputs = {output};
-    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllGather, std::move(a), opts.timeout,
                          c10d::OpType::_ALLGATHER_BASE, "cam:all_gather_into_tensor", {input});
   });
 }
@@ -261,8 +261,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_coalesced(
         check_numel(output_lists[r][i], inputs[i].numel(), str("output ", i, " of rank ", r));
       }
     }
-    RoundsArgs a;
-    a.mode = RoundsMode::kAllGather;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kAllGather;
     a.input = flatten(inputs);
     const int64_t total = a.input.numel();
     a.output = at::empty({int64_t(size_) * total}, a.input.options());
@@ -275,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_coalesced(
       }
     }
     for (auto& l : output_lists) a.outputs.insert(a.outputs.end(), l.begin(), l.end());
-    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllGather, std::move(a), opts.timeout,
                          c10d::OpType::ALLGATHER_COALESCED, "cam:all_gather_coalesced", inputs);
   });
 }
@@ -291,8 +291,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_into_tensor_coalesced(
       CAM_CHECK_ARG(outputs[i].is_contiguous(), "output ", i,
                   " must be contiguous");
     }
-    RoundsArgs a;
-    a.mode = RoundsMode::kAllGather;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kAllGather;
     a.input = flatten(inputs);
     const int64_t total = a.input.numel();
     a.output = at::empty({int64_t(size_), total}, a.input.options());
@@ -305,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::allgather_into_tensor_coalesced(
     }
     a.output = a.output.view(-1);
     a.outputs = outputs;
-    return launch_rounds(op, CollKind::kAllGather, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kAllGather, std::move(a), opts.timeout,
                          c10d::OpType::COALESCED, "cam:all_gather_into_tensor_coalesced", inputs);
   });
 }
@@ -318,8 +318,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::gather(std::vector<std::vector<at::Te
     const at::Tensor& in = single_tensor(inputs);
     check_peer(int(opts.rootRank), "root");
     const int root = int(opts.rootRank);
-    RoundsArgs a;
-    a.mode = RoundsMode::kGather;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kGather;
     a.root = root;
     a.input = in.contiguous();
     if (rank_ == root) {
@@ -334,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::gather(std::vector<std::vector<at::Te
     } else {
       CAM_CHECK_ARG(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "only the root rank ", root, " passes output tensors");
     }
-    return launch_rounds(op, CollKind::kGather, std::move(a), opts.timeout, c10d::OpType::GATHER,
+    return launch_staged(op, CollKind::kGather, std::move(a), opts.timeout, c10d::OpType::GATHER,
                          "cam:gather", inputs);
   });
 }
@@ -386,15 +386,15 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter(
     check_rank_list(inputs, "input");
     check_same_dtype(inputs[0], out.scalar_type(), "input tensor");
     check_numel(inputs[0][rank_], out.numel(), str("input tensor ", rank_, " (this rank's block)"));
-    RoundsArgs a;
+    StagedRoundsArgs a;
     // Blocks may differ in size per destination (uneven lists); all ranks must agree on them.
     for (int r = 0; r < size_; ++r) a.blocks.push_back(int64_t(inputs[0][r].nbytes()));
-    a.mode = RoundsMode::kReduceScatter;
+    a.algo = StagedAlgo::kReduceScatter;
     a.red_op = reduction(opts.reduceOp, out.scalar_type());
     a.input = flatten(inputs[0]);
     a.output = dense(out, false, a.copy_back);
     a.outputs = outputs;
-    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
                          c10d::OpType::REDUCE_SCATTER, "cam:reduce_scatter", inputs[0]);
   });
 }
@@ -408,13 +408,13 @@ c10::intrusive_ptr<c10d::Work> CamBackend::_reduce_scatter_base(
     CAM_CHECK_ARG(input.scalar_type() == output.scalar_type(), "input is ", input.scalar_type(), " but output is ", output.scalar_type());
     check_numel(input, int64_t(size_) * output.numel(),
                 str("the input tensor (", size_, " x the output's ", output.numel(), ")"));
-    RoundsArgs a;
-    a.mode = RoundsMode::kReduceScatter;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kReduceScatter;
     a.red_op = reduction(opts.reduceOp, input.scalar_type());
     a.input = input.contiguous();
     a.output = dense(output, false, a.copy_back);
     a.outputs = {output};
-    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
                          c10d::OpType::_REDUCE_SCATTER_BASE, "cam:reduce_scatter_tensor", {input});
   });
 }
@@ -430,8 +430,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
       check_numel(inputs[i], int64_t(size_) * outputs[i].numel(), str("input ", i));
       rows.push_back(inputs[i].reshape({int64_t(size_), outputs[i].numel()}));
     }
-    RoundsArgs a;
-    a.mode = RoundsMode::kReduceScatter;
+    StagedRoundsArgs a;
+    a.algo = StagedAlgo::kReduceScatter;
     a.red_op = reduction(opts.reduceOp, dtype);
     a.input = at::cat(rows, 1).view(-1);  // rank-major: rank r's block holds every output's piece
     const int64_t total = a.input.numel() / size_;
@@ -442,7 +442,7 @@ c10::intrusive_ptr<c10d::Work> CamBackend::reduce_scatter_tensor_coalesced(
       off += o.numel();
     }
     a.outputs = outputs;
-    return launch_rounds(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
+    return launch_staged(op, CollKind::kReduceScatter, std::move(a), opts.timeout,
                          c10d::OpType::COALESCED, "cam:reduce_scatter_tensor_coalesced", inputs);
   });
 }

@@ -1,0 +1,30 @@
+// reduce as staged rounds (staged_rounds.hpp): every rank but the root stages; the root reduces.
+#include "staged_rounds.hpp"
+
+namespace cam {
+namespace {
+
+class ReduceOp final : public StagedRoundsOp {
+ public:
+  using StagedRoundsOp::StagedRoundsOp;
+  static Shape shape() {
+    Shape s;
+    s.root_only = true;
+    s.reduces = true;
+    s.reads_in_place = false;  // the root writes its output while peers would still read it
+    return s;
+  }
+
+ private:
+  void read_round(Context& ctx, int64_t k) override { reduce_whole_round(ctx, k); }
+};
+
+}  // namespace
+
+std::shared_ptr<CollectiveOp> make_reduce_op(const char* name, CollKind kind, uint64_t seq,
+                                             Clock::time_point deadline, StagedRoundsArgs args) {
+  const auto shape = ReduceOp::shape();  // before args moves
+  return std::make_shared<ReduceOp>(name, kind, seq, deadline, shape, std::move(args));
+}
+
+}  // namespace cam
