@@ -171,7 +171,7 @@ void CamBackend::check_peer(int peer, const char* role) const {
 c10::intrusive_ptr<c10d::Work> CamBackend::barrier(const c10d::BarrierOptions& opts) {
   auto dl = issuer_->deadline(opts.timeout);
   return issuer_->issue_collective([&](uint64_t seq) { return std::make_shared<BarrierOp>(seq, dl); },
-                           c10d::OpType::BARRIER, "cam:barrier", {});
+                                   c10d::OpType::BARRIER, "cam:barrier", {});
 }
 
 c10::intrusive_ptr<c10d::Work> CamBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -317,11 +317,12 @@ c10::intrusive_ptr<c10d::Work> CamBackend::p2p(bool is_send, int peer, int tag, 
   }
   const std::string msg = str("cam ", is_send ? "send" : "recv", " on rank ", rank_, ": ", reason);
   if (is_send) {
-    issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg), c10d::OpType::SEND,
-           "cam:send", {});
+    issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg),
+                   c10d::OpType::SEND, "cam:send", {});
   } else {
-    issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg),
-           c10d::OpType::RECV, "cam:recv", {});
+    issuer_->issue(
+        std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), peer, tag, msg),
+        c10d::OpType::RECV, "cam:recv", {});
   }
   throw ValidationError(msg);
 }
@@ -332,8 +333,8 @@ c10::intrusive_ptr<c10d::Work> CamBackend::send(std::vector<at::Tensor>& tensors
   check_p2p_peer("send", dst, "destination");
   return p2p(true, dst, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
-    return issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), dst, tag, t), c10d::OpType::SEND,
-                  "cam:send", tensors);
+    return issuer_->issue(std::make_shared<SendOp>(issuer_->deadline(c10d::kUnsetTimeout), dst, tag, t),
+                          c10d::OpType::SEND, "cam:send", tensors);
   });
 }
 
@@ -342,8 +343,9 @@ c10::intrusive_ptr<c10d::Work> CamBackend::recv(std::vector<at::Tensor>& tensors
   return p2p(false, src, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_writable(t, "tensor");
-    return issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), src, tag, t),
-                  c10d::OpType::RECV, "cam:recv", tensors);
+    return issuer_->issue(
+        std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), src, tag, t),
+        c10d::OpType::RECV, "cam:recv", tensors);
   });
 }
 
@@ -351,8 +353,9 @@ c10::intrusive_ptr<c10d::Work> CamBackend::recvAnysource(std::vector<at::Tensor>
   return p2p(false, -1, tag, [&] {
     const at::Tensor& t = single_tensor(tensors);
     check_writable(t, "tensor");
-    return issuer_->issue(std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), -1, tag, t),
-                  c10d::OpType::RECVANYSOURCE, "cam:recvAnySource", tensors);
+    return issuer_->issue(
+        std::make_shared<RecvOp>(next_recv_seq(), issuer_->deadline(c10d::kUnsetTimeout), -1, tag, t),
+        c10d::OpType::RECVANYSOURCE, "cam:recvAnySource", tensors);
   });
 }
 
