@@ -8,14 +8,15 @@ namespace {
 
 class AllGatherOp final : public StagedRoundsOp {
  public:
-  using StagedRoundsOp::StagedRoundsOp;
+  AllGatherOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, StagedRoundsArgs&& args)
+      : StagedRoundsOp(name, kind, seq, deadline, shape_of(args.algo), std::move(args)) {}
+
+ private:
   static Shape shape_of(StagedAlgo algo) {
     Shape s;
     s.root_only = algo == StagedAlgo::kGather;
     return s;
   }
-
- private:
 
   // A rank whose outputs differ in size took the all-to-all path instead.
   void validate_path(Context& ctx, const std::vector<const CollDesc*>& descs) override {
@@ -41,8 +42,7 @@ class AllGatherOp final : public StagedRoundsOp {
 
 std::shared_ptr<CollectiveOp> make_all_gather_op(const char* name, CollKind kind, uint64_t seq,
                                                  Clock::time_point deadline, StagedRoundsArgs args) {
-  const auto shape = AllGatherOp::shape_of(args.algo);  // before args moves
-  return std::make_shared<AllGatherOp>(name, kind, seq, deadline, shape, std::move(args));
+  return std::make_shared<AllGatherOp>(name, kind, seq, deadline, std::move(args));
 }
 
 }  // namespace cam

@@ -9,7 +9,10 @@ namespace {
 
 class AllReduceOp final : public StagedRoundsOp {
  public:
-  using StagedRoundsOp::StagedRoundsOp;
+  AllReduceOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, StagedRoundsArgs&& args)
+      : StagedRoundsOp(name, kind, seq, deadline, shape_of(args.algo), std::move(args)) {}
+
+ private:
   static Shape shape_of(StagedAlgo algo) {
     Shape s;
     s.reduces = true;
@@ -28,8 +31,6 @@ class AllReduceOp final : public StagedRoundsOp {
     }
     return s;
   }
-
- private:
   bool two_shot() const { return args_.algo == StagedAlgo::kAllReduceTwoShot; }
   bool eager() const { return args_.algo == StagedAlgo::kAllReduceEager; }
 
@@ -105,8 +106,7 @@ class AllReduceOp final : public StagedRoundsOp {
 
 std::shared_ptr<CollectiveOp> make_all_reduce_op(const char* name, CollKind kind, uint64_t seq,
                                                  Clock::time_point deadline, StagedRoundsArgs args) {
-  const auto shape = AllReduceOp::shape_of(args.algo);  // before args moves
-  return std::make_shared<AllReduceOp>(name, kind, seq, deadline, shape, std::move(args));
+  return std::make_shared<AllReduceOp>(name, kind, seq, deadline, std::move(args));
 }
 
 }  // namespace cam

@@ -1,14 +1,13 @@
 #include "collective_window.hpp"
 
 namespace cam {
-namespace {
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-}  // namespace
 
 CollectiveWindow::CollectiveWindow(WindowLayout& layout, int64_t staging_bytes, int64_t eager_bytes)
-    : n_(layout.world_size()), staging_bytes_(staging_bytes), eager_bytes_(align_up(eager_bytes, 64)) {
+    : n_(layout.world_size()),
+      staging_bytes_(staging_bytes),
+      eager_bytes_(int64_t(align_up(size_t(eager_bytes), 64))) {
   const size_t lines = size_t(n_) * sizeof(SignalLine);
-  desc_slot_ = size_t(align_up(int64_t(sizeof(CollDesc) + 3 * sizeof(int64_t) * n_), 64)) + kRefusalTextBytes;
+  desc_slot_ = align_up(sizeof(CollDesc) + 3 * sizeof(int64_t) * size_t(n_), 64) + kRefusalTextBytes;
   r_desc_seq_ = layout.reserve_control(sizeof(SignalLine));
   r_desc_ = layout.reserve_control(2 * desc_slot_);
   r_produced_ = layout.reserve_control(lines);

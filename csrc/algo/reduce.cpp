@@ -6,7 +6,10 @@ namespace {
 
 class ReduceOp final : public StagedRoundsOp {
  public:
-  using StagedRoundsOp::StagedRoundsOp;
+  ReduceOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, StagedRoundsArgs&& args)
+      : StagedRoundsOp(name, kind, seq, deadline, shape(), std::move(args)) {}
+
+ private:
   static Shape shape() {
     Shape s;
     s.root_only = true;
@@ -15,7 +18,6 @@ class ReduceOp final : public StagedRoundsOp {
     return s;
   }
 
- private:
   void read_round(Context& ctx, int64_t k) override { reduce_whole_round(ctx, k); }
 };
 
@@ -23,8 +25,7 @@ class ReduceOp final : public StagedRoundsOp {
 
 std::shared_ptr<CollectiveOp> make_reduce_op(const char* name, CollKind kind, uint64_t seq,
                                              Clock::time_point deadline, StagedRoundsArgs args) {
-  const auto shape = ReduceOp::shape();  // before args moves
-  return std::make_shared<ReduceOp>(name, kind, seq, deadline, shape, std::move(args));
+  return std::make_shared<ReduceOp>(name, kind, seq, deadline, std::move(args));
 }
 
 }  // namespace cam

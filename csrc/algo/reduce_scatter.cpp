@@ -8,15 +8,16 @@ namespace {
 
 class ReduceScatterOp final : public StagedRoundsOp {
  public:
-  using StagedRoundsOp::StagedRoundsOp;
+  ReduceScatterOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, StagedRoundsArgs&& args)
+      : StagedRoundsOp(name, kind, seq, deadline, shape(), std::move(args)) {}
+
+ private:
   static Shape shape() {
     Shape s;
     s.reduces = true;
     s.split = true;
     return s;
   }
-
- private:
   int64_t block_bytes(Context& ctx, int j) const {
     return args_.blocks.empty() ? in_bytes_ / ctx.world : args_.blocks[j];
   }
@@ -63,8 +64,7 @@ class ReduceScatterOp final : public StagedRoundsOp {
 
 std::shared_ptr<CollectiveOp> make_reduce_scatter_op(const char* name, CollKind kind, uint64_t seq,
                                                      Clock::time_point deadline, StagedRoundsArgs args) {
-  const auto shape = ReduceScatterOp::shape();  // before args moves
-  return std::make_shared<ReduceScatterOp>(name, kind, seq, deadline, shape, std::move(args));
+  return std::make_shared<ReduceScatterOp>(name, kind, seq, deadline, std::move(args));
 }
 
 }  // namespace cam

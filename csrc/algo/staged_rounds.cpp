@@ -34,7 +34,7 @@ std::shared_ptr<CollectiveOp> make_staged_rounds_op(const char* name, CollKind k
 }
 
 StagedRoundsOp::StagedRoundsOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline,
-                               Shape shape, StagedRoundsArgs args)
+                               Shape shape, StagedRoundsArgs&& args)
     : CollectiveOp(name, kind, seq, deadline), shape_(shape), args_(std::move(args)) {
   in_ = static_cast<char*>(args_.input.data_ptr());
   out_ = args_.output.defined() ? static_cast<char*>(args_.output.data_ptr()) : nullptr;

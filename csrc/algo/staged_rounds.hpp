@@ -90,9 +90,9 @@ class StagedRoundsOp : public CollectiveOp {
     bool staged = true;          // false: peers' inputs reach readers some other way (eager)
     bool reads_in_place = true;  // zero-copy when every input is heap-resident
   };
-  // Subclasses inherit this constructor and pass their shape.
+  // `args` is taken by reference so that a subclass can derive `shape` from it in the same call.
   StagedRoundsOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, Shape shape,
-                 StagedRoundsArgs args);
+                 StagedRoundsArgs&& args);
   void finalize() override;
   int trace_peer() const override { return shape_.root_only ? args_.root : -1; }
 

@@ -3,10 +3,6 @@
 #include <c10/util/Exception.h>
 
 namespace cam {
-namespace {
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-}  // namespace
-
 WindowLayout::WindowLayout(int world_size) : n_(world_size) {
   off_error_ = align_up(sizeof(WindowHeader), 64);
 }

@@ -23,6 +23,9 @@ namespace cam {
 constexpr uint64_t kWindowMagic = 0x43414d57494e0005ull;  // "CAMWIN" v5
 constexpr size_t kErrorTextBytes = 1024;
 
+// `v` rounded up to a multiple of `a`: how regions and the structures inside them are aligned.
+constexpr size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
 struct alignas(64) WindowHeader {
   uint64_t magic;
   int64_t rank;
