@@ -31,7 +31,7 @@ TORCH_CAM_HEAP_ALLOCATOR=65536 run 900 tests/test_ops.py tests/test_collectives.
 run 300 tests/test_one_sided.py tests/test_moe_over_loopback.py
 run 900 tests/test_hierarchical.py
 run_sh 600 tests/test_multihost.sh
-run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py
+run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/test_restart.py tests/test_waiting.py
 run 600 tests/test_fuzz_args.py
 run 600 tests/test_compile.py tests/test_flight_recorder.py
 run 1200 tests/integration

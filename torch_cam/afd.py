@@ -420,6 +420,7 @@ class AfdChannel:
         for word, value in fields:   # plain fields; the posted counter below publishes them
             _C.signal_store(hdr, word, value)
         _C.signal_store(hdr, _H_POSTED, n)
+        self._backend.ring_parked_peers()
 
     def recv(self, handle: AfdHandle, expert_weights: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -563,6 +564,7 @@ class AfdChannel:
         _C.signal_store(self._status.view(torch.int64), at // 8, n)
         for a in range(self.M):
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), n)
+        self._backend.ring_parked_peers()
 
     def _groups(self) -> int:
         return self.cfg.experts_per_rank + (1 if self.cfg.shared_expert else 0)
@@ -657,6 +659,7 @@ class AfdChannel:
             raise AfdError(f"{self._where(op)}: layer {tokens.layer} micro-batch {tokens.micro_batch}: {e}") from e
         for a in range(self.M):   # signal_store fences the copies before each counter
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), tokens.message)
+        self._backend.ring_parked_peers()
 
     # ---- lifetime ------------------------------------------------------------------------------
 

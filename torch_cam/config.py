@@ -42,7 +42,7 @@ class Options:
     #: "auto" (by size), or force "one_shot" / "two_shot".
     allreduce_algo: str = "auto"
     #: Wait policy: pause-spin for spin_us, then sched_yield until yield_us, then sleeps that
-    #: grow to sleep_max_us.
+    #: grow to sleep_max_us, parked where the awaited peer rings them awake.
     spin_us: int = 5
     yield_us: int = 2000
     sleep_max_us: int = 500

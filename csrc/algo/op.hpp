@@ -114,6 +114,11 @@ class Op {
   uint64_t trace_id = 0;
   bool trace_started = false, trace_finished = false;
 
+  // The peer whose signal stopped the op's latest pass (-1: unknown, or not a peer's signal):
+  // a parked waiter asks to be rung by that peer only.
+  int blocked_on() const { return blocked_on_; }
+  void begin_pass() { blocked_on_ = -1; }
+
   // Why the op is not done yet, for timeout messages.
   virtual std::string waiting_for() const {
     return wait_peer_ < 0 ? std::string("its turn in the group's op queue")
@@ -122,7 +127,10 @@ class Op {
 
  protected:
   void mark_done() { done_ = true; }
-  void waiting(int peer, const char* what) { wait_peer_ = peer; wait_what_ = what; }
+  void waiting(int peer, const char* what) {
+    wait_peer_ = blocked_on_ = peer;
+    wait_what_ = what;
+  }
   void set_seq(uint64_t seq) { seq_ = seq; }
   std::vector<at::Tensor> outputs_;
   int source_rank_ = -1;
@@ -135,7 +143,7 @@ class Op {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool done_ = false;
   std::exception_ptr error_;
-  int wait_peer_ = -1;
+  int wait_peer_ = -1, blocked_on_ = -1;
   const char* wait_what_ = "";
 };
 

@@ -117,7 +117,9 @@ std::string CamBackend::wait_signal(int peer, const at::Tensor& counters, int64_
   const auto& counter = reinterpret_cast<const uint64_t*>(counters.data_ptr<int64_t>())[index];
   if (int64_t(signal_acquire(counter)) >= target) return {};
   const CamConfig& cfg = engine_->config();
-  Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
+  Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us, [&](int64_t us) {
+    engine_->heap().park(us, [&] { return Idleness{int64_t(signal_acquire(counter)) < target, peer_bit(peer)}; });
+  });
   const auto start = Clock::now();
   const auto until = start + std::chrono::microseconds(int64_t(timeout_s * 1e6));
   auto next_check = start + std::chrono::milliseconds(cfg.liveness_interval_ms);

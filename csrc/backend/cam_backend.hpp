@@ -121,12 +121,15 @@ class CamBackend : public c10d::Backend {
   }
   std::string peer_failure(int r) const { return engine_->heap().peer_failure(r); }
   // Waits until counters[index] >= target (an acquire load: what the writer stored before its
-  // release is visible after), backing off by the group's wait policy and asking every
+  // release is visible after), backing off by the group's wait policy (its sleep tier parked
+  // until `peer` calls ring_parked_peers after storing) and asking every
   // liveness interval whether `peer` (the counter's writer) is still usable. Returns "" once
   // reached, "timeout" after timeout_s, or Engine::peer_problem's answer. For extensions'
   // control blocks in heap tensors (AFD); `counters` is int64, contiguous.
   std::string wait_signal(int peer, const at::Tensor& counters, int64_t index, int64_t target,
                           double timeout_s) const;
+  // After storing extension signals: wakes the peers parked in wait_signal (or in ops) on them.
+  void ring_parked_peers() const { engine_->heap().ring_parked_peers(); }
   // The group's engine, for extensions that run their own ops on it (KV transfer).
   const std::shared_ptr<Engine>& engine() const { return engine_; }
 

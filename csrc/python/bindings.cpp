@@ -181,6 +181,8 @@ PYBIND11_MODULE(_C, m) {
       .def("wait_signal", &cam::CamBackend::wait_signal, py::arg("peer"), py::arg("counters"), py::arg("index"),
            py::arg("target"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
            "Wait until counters[index] >= target: '' when reached, 'timeout', or why the peer is unusable")
+      .def("ring_parked_peers", &cam::CamBackend::ring_parked_peers,
+           "Wake the peers parked waiting for this rank's signals (after signal_store)")
       .def("stats", &cam::CamBackend::stats,
            "Heap sizes and bytes moved per path (staged through windows, read directly)");
   bind_kv(m);

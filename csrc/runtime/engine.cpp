@@ -88,16 +88,25 @@ bool Engine::drive_and_complete() {
     progress = drive_once(finished);
     drive_mu_.unlock();
   }
+  if (progress) heap_->ring_parked_peers();
   // Futures complete outside the lock: their callbacks may issue new ops.
   complete(finished);
   return progress;
+}
+
+void Engine::park(int64_t us, const std::function<bool()>& done) {
+  heap_->park(us, [&] {
+    const bool idle = !drive_and_complete() && !done();
+    return Idleness{idle, waiting_on_.load(std::memory_order_relaxed)};
+  });
 }
 
 bool Engine::wait(const Op& op, std::chrono::milliseconds timeout) {
   const auto& fut = op.future();
   if (fut->completed()) return true;
   waiters_.fetch_add(1);
-  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us);
+  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us,
+                  [&](int64_t us) { park(us, [&] { return fut->completed(); }); });
   const bool bounded = timeout.count() > 0;
   const auto until = Clock::now() + timeout;
   bool ok = true;
@@ -151,6 +160,7 @@ bool Engine::drive_once(Finished& finished) {
         op->trace_started = true;
         recorder_->started(op->trace_id);
       }
+      op->begin_pass();
       try {
         progress |= op->step(ctx_);
       } catch (const ValidationError&) {
@@ -163,6 +173,7 @@ bool Engine::drive_once(Finished& finished) {
     }
     progress |= p2p_.progress(ctx_, finished);
     for (auto& op : one_sided_) {
+      op->begin_pass();
       try {
         progress |= op->step(ctx_);
       } catch (const ValidationError&) {
@@ -180,7 +191,18 @@ bool Engine::drive_once(Finished& finished) {
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [](const std::shared_ptr<Op>& op) { return op->done(); }),
                  pending_.end());
+  note_waiting_on();
   return progress || !finished.empty();
+}
+
+void Engine::note_waiting_on() {
+  // Only the head collective steps; the ones queued behind it wait for their turn, not a peer.
+  PeerMask mask = 0;
+  if (!collectives_.empty()) mask |= peer_bit(collectives_.front()->blocked_on());
+  for (auto& op : pending_) {
+    if (!op->is_collective()) mask |= peer_bit(op->blocked_on());
+  }
+  waiting_on_.store(mask == 0 ? kAnyPeer : mask, std::memory_order_relaxed);
 }
 
 void Engine::check_deadlines_and_peers(Finished& finished) {
@@ -225,6 +247,7 @@ void Engine::fail_all(const std::string& why, Finished& finished, bool dump) {
   failed_.store(true);
   // Tell the peers, so that whoever waits on this rank fails now rather than at its timeout.
   heap_->report_failure(why);
+  heap_->ring_parked_peers();
   for (auto& op : pending_) {
     if (!op->done()) op->fail(std::make_exception_ptr(FatalError(why)));
     record_finished(*op, op->error());
@@ -296,7 +319,8 @@ void Engine::wake_progress_thread() {
 }
 
 void Engine::progress_thread_main() {
-  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us);
+  Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us,
+                  [this](int64_t us) { park(us, [] { return false; }); });
   const auto interval = std::chrono::microseconds(cfg_.progress_interval_us);
   const auto park_after = std::chrono::milliseconds(100);
   auto last_active = Clock::now();

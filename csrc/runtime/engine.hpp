@@ -64,8 +64,12 @@ class Engine {
   using Finished = std::vector<std::shared_ptr<Op>>;
   bool drive_once(Finished& finished);
   bool drive_and_complete();
+  // The sleep tier of this engine's waiters: park on the heap until a peer that the pending
+  // ops wait for rings (or `us` pass).
+  void park(int64_t us, const std::function<bool()>& done);
   void absorb_incoming(Finished& finished);
   void check_deadlines_and_peers(Finished& finished);
+  void note_waiting_on();
   // Fails every pending op with `why` and tells the peers; `dump`: also write the flight
   // recorder (a timeout or a peer's failure, not a shutdown).
   void fail_all(const std::string& why, Finished& finished, bool dump = true);
@@ -94,6 +98,8 @@ class Engine {
   Clock::time_point next_liveness_check_;
   std::string fatal_;  // why the group is unusable; read and written under drive_mu_
   std::atomic<bool> failed_{false};
+  // Whose signals the pending ops waited for at the end of the latest pass (wait_bell.hpp).
+  std::atomic<PeerMask> waiting_on_{kAnyPeer};
 
   std::atomic<int64_t> active_{0};  // submitted and not finished
   std::atomic<int> waiters_{0};

@@ -5,7 +5,10 @@
 // transport's: where a report lives and how a death is seen differ per transport.
 #pragma once
 
+#include <chrono>
+#include <functional>
 #include <string>
+#include <thread>
 
 #include "../core/errors.hpp"
 
@@ -33,6 +36,15 @@ class SymmetricHeap {
   // Publishes this rank's failure for its peers to read; only the first one is kept.
   virtual void report_failure(const std::string& why) = 0;
   virtual int64_t peer_pid(int rank) const = 0;
+
+  // Waiting without a core (wait_bell.hpp). park: sleep at most timeout_us unless
+  // still_idle() (called once the park is announced) finds work; a transport whose peers can
+  // wake it returns early when one it waits on rings. ring_parked_peers: this rank's pass
+  // published signals; wake the peers parked waiting for them.
+  virtual void park(int64_t timeout_us, const std::function<Idleness()>& still_idle) {
+    if (still_idle().idle) std::this_thread::sleep_for(std::chrono::microseconds(timeout_us));
+  }
+  virtual void ring_parked_peers() {}
 
   // Allocator of this rank's heap-resident tensors (in its window's tensor arena).
   virtual TensorArena* arena() const = 0;

@@ -437,6 +437,18 @@ void ShmHeap::report_failure(const std::string& why) {
   signal_release(rep->seq, 1);
 }
 
+void ShmHeap::park(int64_t timeout_us, const std::function<Idleness()>& still_idle) {
+  park_on(*layout_.bell(bases_[rank_]), timeout_us, still_idle);
+}
+
+void ShmHeap::ring_parked_peers() {
+  fence_before_ring();
+  const PeerMask me = peer_bit(rank_);
+  for (int r = 0; r < world_; ++r) {
+    if (r != rank_) ring_if_parked(*layout_.bell(bases_[r]), me);
+  }
+}
+
 void ShmHeap::unmap_all() {
   for (int r = 0; r < world_; ++r) {
     if (bases_[r] && r != rank_) munmap(bases_[r], layout_.total_bytes());

@@ -64,6 +64,8 @@ class ShmHeap final : public SymmetricHeap {
   std::string reported_failure(int r) const override;
   void report_failure(const std::string& why) override;
   int64_t peer_pid(int r) const override { return peers_[r].pid; }
+  void park(int64_t timeout_us, const std::function<Idleness()>& still_idle) override;
+  void ring_parked_peers() override;
   bool direct_read_available() const override { return direct_read_; }
   // Cross-memory attach (process_vm_readv): one kernel copy, no staging through the window.
   void read_peer(int rank, void* local, uint64_t remote_addr, size_t n) const override;

@@ -24,6 +24,10 @@ void Backoff::pause() {
     return;
   }
   sleep_us_ = sleep_us_ == 0 ? 10 : std::min<int64_t>(sleep_us_ * 2, sleep_max_us_);
+  if (sleeper_) {
+    sleeper_(sleep_us_);
+    return;
+  }
   timespec ts{0, long(sleep_us_) * 1000};
   nanosleep(&ts, nullptr);
 }

@@ -1,18 +1,26 @@
 // WaitPolicy: how a rank waits for a peer without stealing the core that peer needs.
 // Tiers by time spent in the current wait: pause-spin (a peer on another core answers in well
 // under a microsecond), then sched_yield (more ranks than cores: hand the core to whoever is
-// runnable), then sleeps that grow to sleep_max_us (nothing is coming soon).
+// runnable), then sleeps that grow to sleep_max_us (nothing is coming soon). A waiter whose
+// peers can wake it (the heap's park, wait_bell.hpp) passes a sleeper that parks instead of
+// sleeping blind, so a sleeping rank costs no core and still answers as soon as it is rung.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <utility>
 
 namespace cam {
 
 class Backoff {
  public:
-  Backoff(int64_t spin_us, int64_t yield_us, int64_t sleep_max_us)
-      : spin_ns_(spin_us * 1000), yield_ns_(yield_us * 1000), sleep_max_us_(sleep_max_us) {}
+  // How the sleep tier sleeps: for at most `us` microseconds (returning early is fine).
+  using Sleeper = std::function<void(int64_t us)>;
+
+  Backoff(int64_t spin_us, int64_t yield_us, int64_t sleep_max_us, Sleeper sleeper = {})
+      : spin_ns_(spin_us * 1000), yield_ns_(yield_us * 1000), sleep_max_us_(sleep_max_us),
+        sleeper_(std::move(sleeper)) {}
 
   // Call after a pass that made no progress.
   void pause();
@@ -21,6 +29,7 @@ class Backoff {
 
  private:
   int64_t spin_ns_, yield_ns_, sleep_max_us_;
+  Sleeper sleeper_;
   bool started_ = false;
   std::chrono::steady_clock::time_point start_;
   int64_t sleep_us_ = 0;

@@ -4,7 +4,8 @@
 
 namespace cam {
 WindowLayout::WindowLayout(int world_size) : n_(world_size) {
-  off_error_ = align_up(sizeof(WindowHeader), 64);
+  off_bell_ = align_up(sizeof(WindowHeader), 64);
+  off_error_ = off_bell_ + sizeof(WaitBell);
 }
 
 WindowLayout::Region WindowLayout::reserve(bool control, size_t bytes) {

@@ -2,6 +2,7 @@
 // how the window was mapped (POSIX shm today; CUDA IPC or a remote engine later).
 //
 //   [header]        magic, rank, world size, pid: what a peer checks when it maps the window
+//   [wait bell]     the futex its owner parks on when idle, rung by peers (wait_bell.hpp)
 //   [error report]  the failure this rank published for its peers (transport-owned)
 //   [control area]  regions reserved by the op families (their signal lines and descriptors):
 //                   cache-line aligned, zeroed when the window is created
@@ -9,7 +10,7 @@
 //   [tensor arena]  heap-resident tensors of the owner (torch_cam.empty), which peers read in
 //                   place; its pages are reserved per allocation, not up front
 //
-// The transport knows only the header, the error report and the arena. What a region holds is
+// The transport knows only the header, the wait bell, the error report and the arena. What a region holds is
 // stated by the family that reserved it (algo/collective_window.hpp, algo/p2p_window.hpp), and
 // every rank reserves the same regions in the same order, so offsets agree across the group.
 #pragma once
@@ -18,9 +19,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "wait_bell.hpp"
+
 namespace cam {
 
-constexpr uint64_t kWindowMagic = 0x43414d57494e0005ull;  // "CAMWIN" v5
+constexpr uint64_t kWindowMagic = 0x43414d57494e0006ull;  // "CAMWIN" v6
 constexpr size_t kErrorTextBytes = 1024;
 
 // `v` rounded up to a multiple of `a`: how regions and the structures inside them are aligned.
@@ -64,6 +67,7 @@ class WindowLayout {
   int64_t arena_bytes() const { return arena_bytes_; }
 
   WindowHeader* header(char* w) const { return reinterpret_cast<WindowHeader*>(w); }
+  WaitBell* bell(char* w) const { return reinterpret_cast<WaitBell*>(w + off_bell_); }
   ErrorReport* error(char* w) const { return reinterpret_cast<ErrorReport*>(w + off_error_); }
   char* arena(char* w) const { return w + off_arena_; }
 
@@ -78,7 +82,7 @@ class WindowLayout {
   bool sealed_ = false;
   std::vector<Reservation> regions_;
   int64_t arena_bytes_ = 0;
-  size_t off_error_ = 0, off_arena_ = 0, control_bytes_ = 0, total_bytes_ = 0;
+  size_t off_bell_ = 0, off_error_ = 0, off_arena_ = 0, control_bytes_ = 0, total_bytes_ = 0;
 };
 
 }  // namespace cam

@@ -1,0 +1,81 @@
+"""Waiting past the spin and yield tiers: a rank that has waited long enough to sleep is parked
+on its window's wait bell, and the peer whose signal it waits for wakes it at once, so its
+latency after a long wait is a wake-up, not the remainder of a sleep. The sleep tier is set to
+500 ms here: a ring that never came would cost about 250 ms on average, far above the bound."""
+import datetime
+import os
+import statistics
+import sys
+import time
+import unittest
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cam_testing import assert_all_ok, cam_segments, run_ranks  # noqa: E402
+
+LATE_S = 0.4     # how long the late rank keeps the others waiting
+TRIALS = 5
+BOUND_S = 0.05   # median latency from the late rank's issue to the waiter's return
+
+
+def _straggler(rank, world_size, init_file, op):
+    import torch_cam  # noqa: F401
+    dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30),
+                            pg_options={"sleep_max_us": 500_000})
+    late = world_size - 1
+    x = torch.full((256,), float(rank + 1))
+    times = []
+    for _ in range(TRIALS):
+        dist.barrier()
+        if rank == late:
+            time.sleep(LATE_S)
+        t_issue = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+        if op == "all_reduce":
+            x.fill_(rank + 1)
+            dist.all_reduce(x)
+            assert x[0].item() == world_size * (world_size + 1) / 2, x[0]
+        elif op == "broadcast":
+            x.fill_(rank + 1)
+            dist.broadcast(x, src=late)
+            assert x[0].item() == late + 1, x[0]
+        elif op == "recv":
+            if rank == late:
+                dist.send(torch.full((256,), 7.0), 0)
+            elif rank == 0:
+                y = torch.zeros(256)
+                dist.recv(y, late)
+                assert y[0].item() == 7.0, y[0]
+        times.append((t_issue, time.monotonic()))
+    dist.barrier()
+    dist.destroy_process_group()
+    return times
+
+
+class TestParkedWaiterWakes(unittest.TestCase):
+    def check(self, op, world):
+        res = run_ranks(_straggler, world, op, deadline_s=90)
+        assert_all_ok(self, res)
+        late = world - 1
+        waiters = [0] if op == "recv" else range(world - 1)
+        for w in waiters:
+            lat = [res[w][1][i][1] - res[late][1][i][0] for i in range(TRIALS)]
+            med = statistics.median(lat)
+            self.assertLess(med, BOUND_S, f"{op}: rank {w} returned {med * 1e3:.1f} ms (median) after "
+                                          f"rank {late} issued; each trial: {[round(v * 1e3, 1) for v in lat]} ms")
+        self.assertEqual(cam_segments(), [])
+
+    def test_all_reduce(self):
+        self.check("all_reduce", 3)
+
+    def test_broadcast(self):
+        self.check("broadcast", 2)
+
+    def test_recv(self):
+        self.check("recv", 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
