@@ -39,7 +39,7 @@ class CollectiveOp : public Op {
  public:
   CollectiveOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline)
       : Op(name, seq, deadline), kind_(kind) {}
-  bool is_collective() const override { return true; }
+  Family family() const override { return Family::kCollective; }
   bool step(Context& ctx) override;
 
  protected:

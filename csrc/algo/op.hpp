@@ -81,7 +81,11 @@ class Op {
     return type;
   }
 
-  virtual bool is_collective() const { return false; }
+  // Which part of the engine progresses the op: collectives one at a time in issue order,
+  // sends and recvs by the p2p engine, the rest (one-sided transfers) side by side.
+  enum class Family : uint8_t { kCollective, kSend, kRecv, kOneSided };
+  virtual Family family() const { return Family::kOneSided; }
+  bool is_collective() const { return family() == Family::kCollective; }
   // Makes all progress possible now without blocking; returns whether anything moved.
   // Throws ValidationError (op refused, group fine) or anything else (group broken).
   virtual bool step(Context& ctx) = 0;

@@ -52,6 +52,7 @@ class SendOp final : public Op {
   // A refused send: the message carries `reason` instead of a tensor.
   SendOp(Clock::time_point deadline, int dst, int tag, const std::string& reason);
   bool step(Context&) override { return false; }  // progressed by P2PEngine
+  Family family() const override { return Family::kSend; }
   void assign_index(uint64_t msg) { set_seq(msg); }
   // Header plus payload padded to 64 bytes (only the header when the payload is read in
   // place): what the message occupies in the outbox.
@@ -77,6 +78,7 @@ class RecvOp final : public Op {
   RecvOp(uint64_t seq, Clock::time_point deadline, int src, int tag, std::string reason);
   bool refused() const { return !refusal.empty(); }
   bool step(Context&) override { return false; }  // progressed by P2PEngine
+  Family family() const override { return Family::kRecv; }
   void finalize() override;
   void matched(int src) { source_rank_ = src; }
   void complete() { mark_done(); }

@@ -80,7 +80,7 @@ FlightRecorder::~FlightRecorder() {
 }
 
 uint64_t FlightRecorder::issued(const char* op, const char* kind, uint64_t seq, int peer,
-                                const std::vector<at::Tensor>* tensors) {
+                                const std::vector<at::Tensor>* tensors, bool started) {
   if (ring_.empty()) return 0;
   std::lock_guard<std::mutex> lk(mu_);
   const uint64_t id = next_id_++;
@@ -90,9 +90,10 @@ uint64_t FlightRecorder::issued(const char* op, const char* kind, uint64_t seq, 
   e.op = op;
   e.kind = kind;
   e.peer = peer;
-  e.state = State::kIssued;
+  e.state = started ? State::kStarted : State::kIssued;
   e.issued_us = now_us();
-  e.started_us = e.ended_us = 0;
+  e.started_us = started ? e.issued_us : 0;
+  e.ended_us = 0;
   e.error.clear();
   e.dtype = -1;
   e.ndim = 0;

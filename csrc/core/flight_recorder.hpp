@@ -36,9 +36,10 @@ class FlightRecorder {
   ~FlightRecorder();
 
   bool enabled() const { return !ring_.empty(); }
-  // Records an op; returns its id (0 when disabled). `tensors` describe its data (may be null).
+  // Records an op; returns its id (0 when disabled). `tensors` describe its data (may be null);
+  // `started`: the op also starts now (one that does not wait for its turn in a queue).
   uint64_t issued(const char* op, const char* kind, uint64_t seq, int peer,
-                  const std::vector<at::Tensor>* tensors);
+                  const std::vector<at::Tensor>* tensors, bool started = false);
   void started(uint64_t id);
   // error: null on success. Ignored for an id already finished or overwritten.
   void finished(uint64_t id, const char* error);

@@ -1,11 +1,16 @@
 #include "cam_work.hpp"
 
+#include <ATen/record_function.h>
+
 namespace cam {
 
 CamWork::CamWork(std::shared_ptr<Engine> engine, std::shared_ptr<Op> op, int rank,
                  c10d::OpType type, const char* profiling_title,
                  std::optional<std::vector<at::Tensor>> inputs)
-    : c10d::Work(rank, type, profiling_title, inputs), engine_(std::move(engine)), op_(std::move(op)) {}
+    // With a title, c10d::Work builds a RecordFunction for the profiler on every op; without
+    // profiler callbacks it would stay inactive, so it is only asked for when they exist.
+    : c10d::Work(rank, type, at::hasCallbacks() ? profiling_title : nullptr, inputs),
+      engine_(std::move(engine)), op_(std::move(op)) {}
 
 bool CamWork::isCompleted() {
   if (!op_->future()->completed()) engine_->poll();

@@ -44,15 +44,13 @@ void Engine::stop_thread() {
 
 void Engine::submit(std::shared_ptr<Op> op, const std::vector<at::Tensor>* tensors) {
   if (recorder_->enabled()) {
-    const char* kind = op->is_collective() ? "collective"
-                       : (dynamic_cast<SendOp*>(op.get()) || dynamic_cast<RecvOp*>(op.get())) ? "p2p"
-                                                                                            : "one-sided";
-    op->trace_id = recorder_->issued(op->name(), kind, op->seq(), op->trace_peer(), tensors);
+    const Op::Family family = op->family();
+    const char* kind = family == Op::Family::kCollective                                 ? "collective"
+                       : family == Op::Family::kSend || family == Op::Family::kRecv ? "p2p"
+                                                                                    : "one-sided";
     // Collectives start when they reach the head of the queue; the others progress at once.
-    if (!op->is_collective()) {
-      op->trace_started = true;
-      recorder_->started(op->trace_id);
-    }
+    op->trace_started = family != Op::Family::kCollective;
+    op->trace_id = recorder_->issued(op->name(), kind, op->seq(), op->trace_peer(), tensors, op->trace_started);
   }
   if (cfg_.log_level >= LogLevel::kDebug) {
     log_line(LogLevel::kDebug, who_, str("issue ", op->name(), " seq ", op->seq(), " peer ", op->trace_peer(),
@@ -64,6 +62,7 @@ void Engine::submit(std::shared_ptr<Op> op, const std::vector<at::Tensor>* tenso
   {
     std::lock_guard<std::mutex> lk(submit_mu_);
     incoming_.push_back(std::move(op));
+    has_incoming_.store(true, std::memory_order_release);
   }
   drive_and_complete();
   wake_progress_thread();
@@ -123,10 +122,13 @@ bool Engine::wait(const Op& op, std::chrono::milliseconds timeout) {
 }
 
 void Engine::absorb_incoming(Finished& finished) {
+  // Most passes (a waiter's polls) find nothing queued: they skip the lock.
+  if (!has_incoming_.load(std::memory_order_acquire)) return;
   std::vector<std::shared_ptr<Op>> ops;
   {
     std::lock_guard<std::mutex> lk(submit_mu_);
     ops.swap(incoming_);
+    has_incoming_.store(false, std::memory_order_relaxed);
   }
   for (auto& op : ops) {
     if (failed_.load()) {
@@ -137,14 +139,11 @@ void Engine::absorb_incoming(Finished& finished) {
       continue;
     }
     pending_.push_back(op);
-    if (op->is_collective()) {
-      collectives_.push_back(op);
-    } else if (auto s = std::dynamic_pointer_cast<SendOp>(op)) {
-      p2p_.add_send(std::move(s));
-    } else if (auto r = std::dynamic_pointer_cast<RecvOp>(op)) {
-      p2p_.post_recv(ctx_, std::move(r), finished);
-    } else {
-      one_sided_.push_back(op);
+    switch (op->family()) {
+      case Op::Family::kCollective: collectives_.push_back(std::move(op)); break;
+      case Op::Family::kSend: p2p_.add_send(std::static_pointer_cast<SendOp>(std::move(op))); break;
+      case Op::Family::kRecv: p2p_.post_recv(ctx_, std::static_pointer_cast<RecvOp>(std::move(op)), finished); break;
+      case Op::Family::kOneSided: one_sided_.push_back(std::move(op)); break;
     }
   }
 }
@@ -310,12 +309,12 @@ void Engine::record_finished(Op& op, const std::exception_ptr& error) {
 }
 
 void Engine::wake_progress_thread() {
-  bool parked;
-  {
-    std::lock_guard<std::mutex> lk(thread_mu_);
-    parked = thread_parked_;
-  }
-  if (parked) thread_cv_.notify_one();
+  // thread_parked_ is set before the thread's last look at active_, and active_ was raised
+  // before this load (both sequentially consistent): the thread either sees the new op or is
+  // seen parked. Taking the lock to notify keeps the notify from falling before its wait.
+  if (!thread_parked_.load()) return;
+  std::lock_guard<std::mutex> lk(thread_mu_);
+  thread_cv_.notify_one();
 }
 
 void Engine::progress_thread_main() {
@@ -332,9 +331,9 @@ void Engine::progress_thread_main() {
       backoff.reset();
       if (active_.load() > 0) last_active = Clock::now();
       if (Clock::now() - last_active > park_after) {
-        thread_parked_ = true;
+        thread_parked_.store(true);
         thread_cv_.wait(lk, [&] { return stop_ || active_.load() > 0; });
-        thread_parked_ = false;
+        thread_parked_.store(false);
         last_active = Clock::now();
       } else {
         thread_cv_.wait_for(lk, interval);

@@ -89,6 +89,7 @@ class Engine {
 
   std::mutex submit_mu_;  // guards incoming_
   std::vector<std::shared_ptr<Op>> incoming_;
+  std::atomic<bool> has_incoming_{false};  // incoming_ is not empty (set under submit_mu_)
 
   std::mutex drive_mu_;  // guards everything below until the thread fields
   std::deque<std::shared_ptr<Op>> collectives_;
@@ -105,7 +106,7 @@ class Engine {
   std::atomic<int> waiters_{0};
   std::mutex thread_mu_;
   std::condition_variable thread_cv_;
-  bool thread_parked_ = false;  // waiting without a deadline for new work
+  std::atomic<bool> thread_parked_{false};  // waiting without a deadline for new work
   bool stop_ = false;
   std::once_flag shutdown_once_;
   std::thread thread_;

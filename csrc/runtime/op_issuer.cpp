@@ -17,8 +17,10 @@ c10::intrusive_ptr<c10d::Work> OpIssuer::issue(std::shared_ptr<Op> op, c10d::OpT
                                                std::vector<at::Tensor> inputs) {
   engine_->submit(op, &inputs);
   auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
-  std::lock_guard<std::mutex> lk(mu_);
-  collect(work);
+  if (coalescing_.load(std::memory_order_relaxed)) {  // set and cleared by this issuing thread
+    std::lock_guard<std::mutex> lk(mu_);
+    collect(work);
+  }
   return work;
 }
 

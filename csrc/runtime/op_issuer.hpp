@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -61,7 +62,7 @@ class OpIssuer {
   int rank_;
   mutable std::mutex mu_;
   uint64_t coll_seq_ = 0;
-  bool coalescing_ = false;
+  std::atomic<bool> coalescing_{false};  // written under mu_
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };
 
