@@ -53,6 +53,10 @@ are killed and the partial table is printed with the cell that was running.
 ``--mpi-ranks`` (default: same as ``--ranks``) and adds ``mpi median`` and ``mpi/cam`` columns;
 the columns are omitted when mpirun is not on PATH. MPI has no bfloat16: those cells are n/a.
 
+``--oneccl`` also runs bench_oneccl.py (Intel oneCCL's CPU collectives from a C++ worker, each
+cell the best of a few settings; the wheels are fetched and the worker built on first use) and
+adds ``ccl median`` and ``ccl/cam`` columns for the ops oneCCL has.
+
 ``--deepspeed`` (off by default) adds DeepSpeed's CPU shared-memory all-reduce
 (benchmarks/_deepspeed_shm.py) as ``ds-shm`` columns of the all_reduce rows, measured in the same
 workers, interleaved with cam and gloo. It is JIT-built the first time (~30-50 s, done once in the
@@ -94,6 +98,7 @@ import torch.distributed as dist  # noqa: E402
 
 import _common as C  # noqa: E402
 import _harness as H  # noqa: E402
+import bench_oneccl  # noqa: E402
 
 BACKENDS = ("cam", "gloo")
 
@@ -417,18 +422,20 @@ def do_nothing_floor_us() -> float | None:
         return None
 
 
-def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None = None) -> str:
+def table(world: int, res: dict, refs: dict[str, dict | None], args, floor_us: float | None = None) -> str:
+    """refs: the libraries measured in processes of their own ("mpi": bench_mpi.py, "ccl":
+    bench_oneccl.py), each a run_world result or None where not run."""
     by = {(r["op"], r["size"], r["backend"]): r for r in res["rows"]}
-    mpi_rows = {(r["op"], r["size"]): r for r in (mpi or {}).get("rows", [])}
-    with_mpi = mpi is not None
+    refs = {name: ref for name, ref in refs.items() if ref is not None}
+    ref_rows = {name: {(r["op"], r["size"]): r for r in ref.get("rows", [])} for name, ref in refs.items()}
     with_ds = bool(getattr(args, "deepspeed", False)) or any(r["backend"] == "ds-shm" for r in res["rows"])
     cols = ["op", "size", "cam median", "cam p90", "gloo median", "gloo p90", "x gloo (gloo/cam)"]
-    if with_mpi:
-        cols += ["mpi median", "mpi/cam"]
+    for name in refs:
+        cols += [f"{name} median", f"{name}/cam"]
     if with_ds:
         cols += ["ds-shm median", "ds-shm p90", "ds/cam"]
-    cols += ["samples×batch (cam / gloo" + (" / mpi" if with_mpi else "") + (" / ds" if with_ds else "") + ")",
-             "check"]
+    cols += ["samples×batch (cam / gloo" + "".join(f" / {name}" for name in refs) + (" / ds" if with_ds else "") +
+             ")", "check"]
     lines = [header(world, args), "",
              "| " + " | ".join(cols) + " |",
              "|" + "---|" * len(cols)]
@@ -442,7 +449,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
             ([("cam-direct", " (direct)")] if op in C.DS_OPS else [])
         for size in C.op_sizes(op, args.quick):
             gloo = by.get((op, size, "gloo"))
-            m = mpi_rows.get((op, size))
+            ref = {name: rows.get((op, size)) for name, rows in ref_rows.items()}
             d = by.get((op, size, "ds-shm"))
             if d is not None and d.get("error"):
                 d = None
@@ -453,13 +460,12 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
                 name = C.label(op) + suffix + (" (rank0↔1)" if op == "roundtrip" else "")
                 cells = [name, C.fmt_size(size), C.fmt_time(med(cam)), C.fmt_time(p90(cam))]
                 if key == "local":  # reference row: nothing to compare with
-                    cells += ["–", "–", "–"] + (["–", "–"] if with_mpi else []) + \
-                        (["–", "–", "–"] if with_ds else [])
+                    cells += ["–", "–", "–"] + ["–", "–"] * len(refs) + (["–", "–", "–"] if with_ds else [])
                     cells.append(sb(cam))
                 else:
                     cells += [C.fmt_time(med(gloo)), C.fmt_time(p90(gloo)), C.fmt_ratio(med(gloo), med(cam))]
-                    if with_mpi:
-                        cells += [C.fmt_time(med(m)), C.fmt_ratio(med(m), med(cam))]
+                    for r in ref.values():
+                        cells += [C.fmt_time(med(r)), C.fmt_ratio(med(r), med(cam))]
                     if with_ds:
                         ds_cells = [C.fmt_time(med(d)), C.fmt_time(p90(d)), C.fmt_ratio(med(d), med(cam))]
                         if d is not None and d.get("capped"):
@@ -468,8 +474,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
                     if key in ("cam-heap", "cam-direct"):  # cam variants: the other columns repeat the row above
                         cells.append(sb(cam))
                     else:
-                        parts = [sb(cam), sb(gloo)] + ([sb(m)] if with_mpi else []) + \
-                            ([sb(d)] if with_ds else [])
+                        parts = [sb(cam), sb(gloo)] + [sb(r) for r in ref.values()] + ([sb(d)] if with_ds else [])
                         cells.append(" / ".join(parts))
                 if key == "cam-heap":
                     check = "ok" if cam["ok"] else "WRONG: cam-heap"
@@ -480,7 +485,7 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
                         check += ", heap read"
                     cells.append(check)
                 else:
-                    named = (("cam" if key == "cam" else "memcpy", cam), ("gloo", gloo), ("mpi", m), ("ds", d))
+                    named = (("cam" if key == "cam" else "memcpy", cam), ("gloo", gloo), *ref.items(), ("ds", d))
                     bad = [nm for nm, r in named if r and not r["ok"]]
                     cells.append("WRONG: " + ",".join(bad) if bad else "ok")
                 lines.append("| " + " | ".join(cells) + " |")
@@ -534,10 +539,19 @@ def table(world: int, res: dict, mpi: dict | None, args, floor_us: float | None 
     if res.get("error"):
         notes.append(f"**error:** {res['error']}" +
                      (f" (running: {res['current']})" if res.get("current") else ""))
-    if mpi is not None and mpi.get("error"):
-        notes.append(f"**mpi error:** {mpi['error']}")
-    if mpi is not None:
-        notes.append(f"mpi: `{mpi.get('cmd', '')}` (no bf16 in MPI: its all_reduce bf16 cells are n/a)")
+    for name, ref in refs.items():
+        if ref.get("error"):
+            notes.append(f"**{name} error:** {ref['error']}")
+    if "mpi" in refs:
+        notes.append(f"mpi: `{refs['mpi'].get('cmd', '')}` (no bf16 in MPI: its all_reduce bf16 cells are n/a)")
+    if "ccl" in refs:
+        ccl_rows = refs["ccl"].get("rows", [])
+        won = {}
+        for r in ccl_rows:
+            won[r.get("setting", "?")] = won.get(r.get("setting", "?"), 0) + 1
+        notes.append(f"ccl: Intel oneCCL {bench_oneccl.VERSION} (benchmarks/bench_oneccl.py, C++ worker), each cell "
+                     f"the best median over its settings (cells won: " +
+                     ", ".join(f"{k} {v}" for k, v in sorted(won.items())) + f"); `{refs['ccl'].get('cmd', '')}`")
     notes.append(f"torch workers wall time for this world size: {res.get('wall_s', math.nan):.1f} s")
     if res.get("load_before"):
         lb, la = res["load_before"], res["load_after"]
@@ -565,6 +579,8 @@ def main():
     ap.add_argument("--mpi-ranks", type=int, nargs="+", default=None,
                     help="world sizes to run MPI for (default: --ranks)")
     ap.add_argument("--mpi-single-copy", default=None, help="see bench_mpi.py --mpi-single-copy")
+    ap.add_argument("--oneccl", action="store_true",
+                    help="add Intel oneCCL columns (bench_oneccl.py: fetched and built on first use)")
     ap.add_argument("--deepspeed", action="store_true",
                     help="add DeepSpeed's shm all-reduce (ds-shm columns) to the all_reduce rows; off by "
                          "default (needs deepspeed, ninja, g++; JIT-builds once, ~30-50 s, then cached)")
@@ -602,21 +618,25 @@ def main():
     for world in args.ranks:
         print(f"== world size {world}: torch workers (cam + gloo)", file=sys.stderr, flush=True)
         res = run_world(world, args)  # a failed launch comes back as an error
-        mpi = None
+        mpi = ccl = None
         if use_mpi and world in mpi_ranks:
             print(f"== world size {world}: Open MPI", file=sys.stderr, flush=True)
             import bench_mpi
             mpi = bench_mpi.run_world(world, args.quick, args.timeout, args.mpi_single_copy, args.pin,
                                       single_shot=args.single_shot)
-        md = table(world, res, mpi, args, floor_us)
+        if args.oneccl:
+            print(f"== world size {world}: oneCCL", file=sys.stderr, flush=True)
+            ccl = bench_oneccl.run_world(world, args.quick, args.timeout, args.pin, single_shot=args.single_shot)
+        md = table(world, res, {"mpi": mpi, "ccl": ccl}, args, floor_us)
         print(md + "\n", flush=True)
         if args.json:
             measured["machine"][str(world)] = H.machine_line(world, args.quick, args.pin, args.single_shot)
             for r in res.get("rows", []):
                 measured["rows"].append({"world": world, "op": r["op"], "size": r["size"],
                                          "backend": r["backend"], "median_us": r.get("median_us")})
-            for r in (mpi or {}).get("rows", []):
-                measured["rows"].append({"world": world, "op": r["op"], "size": r["size"], "backend": "mpi",
+            for r in [dict(r, lib="mpi") for r in (mpi or {}).get("rows", [])] + \
+                    [dict(r, lib="ccl") for r in (ccl or {}).get("rows", [])]:
+                measured["rows"].append({"world": world, "op": r["op"], "size": r["size"], "backend": r["lib"],
                                          "median_us": r.get("median_us")})
             with open(args.json, "w") as f:
                 json.dump(measured, f, indent=1)

@@ -16,7 +16,7 @@ import sys
 
 OPS = ["broadcast", "all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]
 LINES = [("cam", "cam", "C0", "-"), ("cam-heap", "cam (heap)", "C0", "--"), ("mpi", "Open MPI", "C1", "-"),
-         ("gloo", "gloo", "C2", "-"), ("ds-shm", "DeepSpeed shm", "C3", "-")]
+         ("gloo", "gloo", "C2", "-"), ("ds-shm", "DeepSpeed shm", "C3", "-"), ("ccl", "oneCCL", "C4", "-")]
 
 
 def main():
