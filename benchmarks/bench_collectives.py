@@ -79,6 +79,7 @@ Workers use ``torch.set_num_threads(1)``; gloo is pinned to the loopback interfa
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -545,10 +546,7 @@ def table(world: int, res: dict, refs: dict[str, dict | None], args, floor_us: f
     if "mpi" in refs:
         notes.append(f"mpi: `{refs['mpi'].get('cmd', '')}` (no bf16 in MPI: its all_reduce bf16 cells are n/a)")
     if "ccl" in refs:
-        ccl_rows = refs["ccl"].get("rows", [])
-        won = {}
-        for r in ccl_rows:
-            won[r.get("setting", "?")] = won.get(r.get("setting", "?"), 0) + 1
+        won = collections.Counter(r.get("setting", "?") for r in refs["ccl"].get("rows", []))
         notes.append(f"ccl: Intel oneCCL {bench_oneccl.VERSION} (benchmarks/bench_oneccl.py, C++ worker), each cell "
                      f"the best median over its settings (cells won: " +
                      ", ".join(f"{k} {v}" for k, v in sorted(won.items())) + f"); `{refs['ccl'].get('cmd', '')}`")

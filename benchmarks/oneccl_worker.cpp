@@ -273,6 +273,26 @@ ccl::shared_ptr_class<ccl::kvs> rendezvous(int rank, const std::string& path) {
   return ccl::create_kvs(addr);
 }
 
+// Every cell in order; rank 0 writes the rows.
+int run(int rank, int world, const std::string& kvs_file, const Plan& plan, const std::vector<Cell>& cells,
+        const std::string& out_json) {
+  ccl::init();
+  auto kvs = rendezvous(rank, kvs_file);
+  auto comm = ccl::create_communicator(world, rank, kvs);
+  Runner runner(rank, world, comm);
+  std::vector<std::string> rows;
+  for (const auto& c : cells) {
+    rows.push_back(runner.run(c, plan));
+    if (rank == 0) {  // rewritten after every cell: a run past its deadline keeps what it measured
+      std::ofstream out(out_json);
+      out << "{\"rows\": [";
+      for (size_t i = 0; i < rows.size(); ++i) out << (i ? ",\n" : "\n") << rows[i];
+      out << "], \"complete\": " << (rows.size() == cells.size() ? "true" : "false") << "}\n";
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -297,19 +317,10 @@ int main(int argc, char** argv) {
     }
     cells.push_back({f[0], std::stoll(f[1]), std::stoll(f[2])});
   }
-  ccl::init();
-  auto kvs = rendezvous(rank, argv[3]);
-  auto comm = ccl::create_communicator(world, rank, kvs);
-  Runner runner(rank, world, comm);
-  std::vector<std::string> rows;
-  for (const auto& c : cells) {
-    rows.push_back(runner.run(c, plan));
-    if (rank == 0) {  // rewritten after every cell: a run past its deadline keeps what it measured
-      std::ofstream out(argv[6]);
-      out << "{\"rows\": [";
-      for (size_t i = 0; i < rows.size(); ++i) out << (i ? ",\n" : "\n") << rows[i];
-      out << "], \"complete\": " << (rows.size() == cells.size() ? "true" : "false") << "}\n";
-    }
+  try {
+    return run(rank, world, argv[3], plan, cells, argv[6]);
+  } catch (const std::exception& e) {  // one line the launcher reports, not a backtrace
+    std::fprintf(stderr, "oneccl_worker rank %d: %s\n", rank, e.what());
+    return 1;
   }
-  return 0;
 }
