@@ -16,7 +16,7 @@ void Backoff::pause() {
   }
   const int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(now - start_).count();
   if (waited < spin_ns_) {
-    for (int i = 0; i < 4; ++i) cpu_relax();
+    for (int i = 0; i < 32; ++i) cpu_relax();
     return;
   }
   if (waited < yield_ns_) {
