@@ -26,8 +26,9 @@ run 600 tests/test_kv_reference.py tests/test_kv_copy.py tests/test_kv.py
 run 600 tests/test_weights.py
 run 600 tests/test_afd.py
 run 600 tests/test_heap_allocator.py
-# Every collective, p2p and MoE test again with ordinary tensors born in the process heap.
-TORCH_CAM_HEAP_ALLOCATOR=65536 run 900 tests/test_ops.py tests/test_collectives.py tests/test_moe.py
+# Every collective, p2p and MoE test again with the heap allocator mode off, so that large
+# ordinary tensors take the staged and process_vm_readv paths.
+TORCH_CAM_HEAP_ALLOCATOR=0 run 900 tests/test_ops.py tests/test_collectives.py tests/test_moe.py
 run 300 tests/test_one_sided.py tests/test_moe_over_loopback.py
 run 900 tests/test_hierarchical.py
 run_sh 600 tests/test_multihost.sh

@@ -23,6 +23,9 @@ def _init(rank, world_size, init_file, timeout_s=60, pg_options=None):
 
 
 def _killed_mid_op(rank, world_size, init_file, op):
+    if op == "all_to_all_single_copy":  # ordinary (not heap-born) tensors, read by process_vm_readv
+        import torch_cam
+        torch_cam.use_heap_allocator(None)
     _init(rank, world_size, init_file,
           pg_options={"single_copy_bytes": 1 << 20} if op == "all_to_all_single_copy" else None)
     dist.barrier()

@@ -38,6 +38,8 @@ def collectives_in_place(rank, world, init_file, install_before):
     init(rank, world, init_file)
     if not install_before:
         torch_cam.use_heap_allocator(MIN)  # groups created earlier map the process heaps too
+    s = torch_cam.heap_allocator_stats()
+    assert (s["installed"], s["auto"], s["min_bytes"]) == (1, 0, MIN), f"an explicit call decides: {s}"
     be = torch_cam.get_cam_backend()
     assert be.process_heap_problem == "", be.process_heap_problem
     stats = be.stats
@@ -171,11 +173,11 @@ def p2p_in_place(rank, world, init_file):
 
 
 def mixed(rank, world, init_file):
-    # Only even ranks install the mode: every op still gives the reference result (rounds
-    # fall back to staging, all_to_all reads the heap senders' blocks in place).
-    if rank % 2 == 0:
-        torch_cam.use_heap_allocator(MIN)
+    # Only even ranks have the mode: every op still gives the reference result (rounds fall
+    # back to staging, all_to_all reads the heap senders' blocks in place).
+    torch_cam.use_heap_allocator(MIN if rank % 2 == 0 else None)
     init(rank, world, init_file)
+    assert torch_cam.heap_allocator_stats()["installed"] == (rank % 2 == 0)
     n = N - N % world
     xs = [data(300 + p, n) for p in range(world)]
     inp = xs[rank].clone()
@@ -219,7 +221,45 @@ def ddp_step(rank, world, init_file):
     return read, installed
 
 
+def auto_mode(rank, world, init_file):
+    # Unless the environment or a call decided, the first group of two or more ranks installs
+    # the mode at 1 MiB; a group of one does not.
+    decided = os.environ.get("TORCH_CAM_HEAP_ALLOCATOR")
+    assert torch_cam.heap_allocator_stats()["installed"] == 0
+    init(rank, world, init_file)
+    s = torch_cam.heap_allocator_stats()
+    on = world > 1 and decided is None
+    want = (1, 1, 1 << 20) if on else (0, 0, 0)
+    assert (s["installed"], s["auto"], s["min_bytes"]) == want, f"world {world}, env {decided}: {s}"
+    if world > 1:
+        be = torch_cam.get_cam_backend()
+        n = world * (1 << 18)  # 1 MiB blocks, 4 MiB per rank at 4 ranks
+        inp = data(900 + rank, n)
+        out = torch.empty(n)
+        before = be.stats()
+        dist.all_to_all_single(out, inp)
+        after = be.stats()
+        inp.fill_(float("nan"))
+        want = torch.cat([data(900 + p, n).tensor_split(world)[rank] for p in range(world)])
+        assert torch.equal(out, want), "all_to_all_single values"
+        read = after["heap_read_bytes"] - before["heap_read_bytes"]
+        assert (read == (world - 1) * n // world * 4) if on else (read == 0), f"read in place {read} B"
+        if on:
+            torch_cam.use_heap_allocator(MIN)  # an explicit call after the group replaces the auto mode
+            s = torch_cam.heap_allocator_stats()
+            assert (s["installed"], s["auto"], s["min_bytes"]) == (1, 0, MIN), s
+            sub = dist.new_group(list(range(world)))
+            assert torch_cam.heap_allocator_stats()["min_bytes"] == MIN, "a later group overrode the call"
+            dist.destroy_process_group(sub)
+    dist.destroy_process_group()
+
+
 class HeapAllocatorTest(unittest.TestCase):
+    def test_auto_mode(self):
+        for world, env in ((2, {}), (4, {}), (1, {}), (2, {"TORCH_CAM_HEAP_ALLOCATOR": "0"})):
+            with self.subTest(world=world, env=env):
+                assert_all_ok(self, run_ranks(auto_mode, world, env=env, deadline_s=120))
+
     def test_collectives_read_ordinary_tensors_in_place(self):
         for world, before in ((2, True), (4, False)):
             with self.subTest(world=world, installed_before_init=before):

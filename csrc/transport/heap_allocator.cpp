@@ -15,6 +15,9 @@ namespace {
 
 constexpr int64_t kPage = 4096;
 constexpr int64_t kCacheBytes = int64_t(1) << 30;
+// A cached block serves a request up to 1/8 smaller: varied sizes share blocks instead of each
+// keeping its own, at most 12.5% of a block unused.
+constexpr int64_t kCacheSlackDiv = 8;
 // Above torch's default CPU allocator (0) and below nothing we know of; installing checks it took.
 constexpr uint8_t kPriority = 1;
 
@@ -27,48 +30,43 @@ class HeapAllocator final : public c10::Allocator {
 
   void set(int64_t min_bytes) {
     std::lock_guard<std::mutex> lk(mu_);
+    explicit_ = true;  // the caller decided: groups formed later leave the mode as it is
     if (min_bytes <= 0) {
-      if (!installed_) return;
-      min_bytes_ = INT64_MAX;  // a storage that kept this allocator falls back from now on
-      c10::SetCPUAllocator(fallback_, kPriority);
-      installed_ = false;
-      drop_cache_locked();
+      uninstall_locked();
       return;
     }
-    if (!heap_) {
-      std::string why;
-      heap_ = ProcessHeap::own(&why);
-      TORCH_CHECK(heap_, "torch_cam.use_heap_allocator: this process has no process heap: ", why);
+    install_locked(min_bytes);
+    auto_ = false;
+  }
+
+  void group_ready() noexcept {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (explicit_ || installed_ || auto_declined_) return;
+    try {
+      install_locked(kAutoHeapAllocatorMinBytes);
+      auto_ = true;
+    } catch (...) {
+      auto_declined_ = true;  // no process heap, or a higher-priority allocator: stay ordinary
     }
-    if (installed_) {
-      min_bytes_ = min_bytes;
-      return;
-    }
-    owner_ = getpid();
-    fallback_ = c10::GetCPUAllocator();
-    min_bytes_ = min_bytes;
-    c10::SetCPUAllocator(this, kPriority);
-    TORCH_CHECK(c10::GetCPUAllocator() == this, "torch_cam.use_heap_allocator: another CPU allocator was ",
-                "installed with a higher priority; cam cannot replace it");
-    installed_ = true;
   }
 
   std::map<std::string, int64_t> stats() {
     std::lock_guard<std::mutex> lk(mu_);
-    return {{"installed", installed_ ? 1 : 0}, {"min_bytes", installed_ ? min_bytes_.load() : 0},
-            {"heap_tensors", live_}, {"heap_bytes", live_bytes_}, {"cached_bytes", cached_bytes_},
-            {"fallbacks", fallbacks_}};
+    return {{"installed", installed_ ? 1 : 0}, {"auto", installed_ && auto_ ? 1 : 0},
+            {"min_bytes", installed_ ? min_bytes_.load() : 0}, {"heap_tensors", live_},
+            {"heap_bytes", live_bytes_}, {"cached_bytes", cached_bytes_}, {"fallbacks", fallbacks_}};
   }
 
   // The small path (almost every allocation) is two plain loads: no lock, no syscall. The
   // acquire pairs with set(): a threshold below INT64_MAX is stored after heap_ is.
   c10::DataPtr allocate(size_t n) override {
     if (int64_t(n) >= min_bytes_.load(std::memory_order_acquire) && getpid() == owner_) {
-      const int64_t len = (int64_t(n) + kPage - 1) / kPage * kPage;
+      int64_t len = (int64_t(n) + kPage - 1) / kPage * kPage;
       int64_t off = -1;
       {
         std::lock_guard<std::mutex> lk(mu_);
-        if (auto it = cached_.find(len); it != cached_.end()) {
+        if (auto it = cached_.lower_bound(len); it != cached_.end() && it->first - len <= len / kCacheSlackDiv) {
+          len = it->first;
           off = it->second;
           cached_.erase(it);
           cached_bytes_ -= len;
@@ -98,6 +96,35 @@ class HeapAllocator final : public c10::Allocator {
   }
 
  private:
+  void install_locked(int64_t min_bytes) {
+    if (!heap_) {
+      std::string why;
+      heap_ = ProcessHeap::own(&why);
+      TORCH_CHECK(heap_, "torch_cam.use_heap_allocator: this process has no process heap: ", why);
+    }
+    if (installed_) {
+      min_bytes_ = min_bytes;
+      return;
+    }
+    // Allocations may reach this allocator the moment it is set: its fallback must be ready.
+    owner_ = getpid();
+    fallback_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this, kPriority);
+    TORCH_CHECK(c10::GetCPUAllocator() == this, "torch_cam.use_heap_allocator: another CPU allocator was ",
+                "installed with a higher priority; cam cannot replace it");
+    min_bytes_ = min_bytes;
+    installed_ = true;
+  }
+
+  void uninstall_locked() {
+    if (!installed_) return;
+    min_bytes_ = INT64_MAX;  // a storage that kept this allocator falls back from now on
+    c10::SetCPUAllocator(fallback_, kPriority);
+    installed_ = false;
+    auto_ = false;
+    drop_cache_locked();
+  }
+
   struct Block {
     int64_t off, len;
   };
@@ -136,6 +163,9 @@ class HeapAllocator final : public c10::Allocator {
 
   std::mutex mu_;
   bool installed_ = false;
+  bool explicit_ = false;       // set() was called: the auto mode stays out of the way
+  bool auto_ = false;           // installed by group_ready()
+  bool auto_declined_ = false;  // group_ready() could not install; it does not retry
   std::atomic<int64_t> min_bytes_{INT64_MAX};
   std::atomic<pid_t> owner_{0};
   std::atomic<c10::Allocator*> fallback_{nullptr};
@@ -148,6 +178,8 @@ class HeapAllocator final : public c10::Allocator {
 }  // namespace
 
 void set_heap_allocator(int64_t min_bytes) { HeapAllocator::instance().set(min_bytes); }
+
+void heap_allocator_group_ready() noexcept { HeapAllocator::instance().group_ready(); }
 
 std::map<std::string, int64_t> heap_allocator_stats() { return HeapAllocator::instance().stats(); }
 

@@ -1,6 +1,7 @@
 #include "shm_heap.hpp"
 
 #include "../core/errors.hpp"
+#include "heap_allocator.hpp"
 #include "signal.hpp"
 
 #include <c10/util/Exception.h>
@@ -310,6 +311,7 @@ void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chro
     }
   }
   process_heaps_mapped_ = all_mapped;
+  if (all_mapped && world_ > 1) heap_allocator_group_ready();
   shm_unlink(own_name_.c_str());
   own_unlinked_ = true;
 }
