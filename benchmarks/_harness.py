@@ -110,7 +110,19 @@ def machine_line(world: int, quick: bool, pin: bool, single_shot: bool = False) 
             f"{os.cpu_count()} cores ({avail} usable, {world / max(avail, 1):.1f} ranks/core), "
             f"python {platform.python_version()}, {'quick' if quick else 'full'} mode, "
             f"{'ranks pinned to core rank % cores' if pin else 'ranks not pinned'}"
-            f"{', single-shot samples (one op after a barrier)' if single_shot else ''}")
+            f"{', single-shot samples (one op after a barrier)' if single_shot else ''}, "
+            f"{heap_allocator_mode()}")
+
+
+def heap_allocator_mode() -> str:
+    """What cam's plain (ordinary-tensor) rows measure: the heap allocator mode is on by default
+    (tensors from 1 MiB read in place); TORCH_CAM_HEAP_ALLOCATOR overrides it for the workers."""
+    value = os.environ.get("TORCH_CAM_HEAP_ALLOCATOR", "").strip()
+    if not value:
+        return "heap allocator mode on by default (ordinary tensors from 1 MiB read in place)"
+    if int(value) <= 0:
+        return "heap allocator mode off (TORCH_CAM_HEAP_ALLOCATOR=0: ordinary tensors staged)"
+    return f"heap allocator mode from {value} B (TORCH_CAM_HEAP_ALLOCATOR)"
 
 
 # ----------------------------------------------------------------------------- worker side

@@ -21,7 +21,8 @@ For each world size N this spawns N worker processes (torch.multiprocessing, sta
 * ``(heap)`` rows, cam only: broadcast, all_to_all_single, all_reduce fp32,
   all_gather_into_tensor and reduce_scatter_tensor with every rank's input allocated by
   ``torch_cam.empty`` in the cam tensor heap, which peers read in place (the path ordinary
-  tensors take under ``torch_cam.use_heap_allocator``). The check also requires cam's ``heap_read_bytes``
+  tensors from 1 MiB take by default, under the heap allocator mode; with
+  ``TORCH_CAM_HEAP_ALLOCATOR=0`` in the environment the plain rows measure staged tensors). The check also requires cam's ``heap_read_bytes``
   stat to grow on every rank (``heap read`` in the check column; ``no heap read`` when cam
   staged the op anyway, e.g. small all-reduces, which go one-shot through the windows);
 * ``(direct)`` rows, cam only: all_reduce fp32 / bf16 through ``torch_cam.all_reduce_`` (no

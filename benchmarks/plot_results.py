@@ -6,8 +6,8 @@ against per-rank size, one line per library, one column per world size.
     .venv/bin/python benchmarks/plot_results.py results.json --out-dir benchmarks/plots
 
 Bandwidth is per-rank bytes (the size column of the tables) over the median time. ``cam (heap)``
-is cam with heap-resident inputs, the path ordinary tensors take under
-``torch_cam.use_heap_allocator``.
+is cam with heap-resident inputs, the path ordinary tensors from 1 MiB take by default (the heap
+allocator mode).
 """
 import argparse
 import json

@@ -5,9 +5,10 @@ reduce_scatter, all_gather and gather read every rank's input in place when all 
 heap-resident inputs. Allocation is local (not collective); the tensor stays valid after its
 group is destroyed.
 
-The heap allocator mode (``use_heap_allocator``) extends this to ordinary tensors: every CPU
-tensor of at least ``min_bytes`` is born in this process's heap, which every cam group of the
-host maps, so DDP buckets, FSDP2 parameters and any other large tensor are read in place too.
+The heap allocator mode (on by default once a group forms; ``use_heap_allocator``) extends this
+to ordinary tensors: every CPU tensor of at least ``min_bytes`` is born in this process's heap,
+which every cam group of the host maps, so DDP buckets, FSDP2 parameters and any other large
+tensor are read in place too.
 """
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def use_heap_allocator(min_bytes: int | None = 1 << 20) -> None:
     """Make every CPU tensor of at least ``min_bytes`` bytes heap-resident for every cam group
     of this host (``None`` or 0: restore the previous CPU allocator; tensors already born in
     the heap stay valid). Process-wide and local: call it on every rank, before or after
-    creating groups. The environment variable ``TORCH_CAM_HEAP_ALLOCATOR=<min_bytes>`` does the
-    same at ``import torch_cam``. Tensors of a forked child (a DataLoader worker), and any the
+    creating groups. Without a call the mode turns itself on at 1 MiB when the first group of
+    two or more ranks on this host maps every peer's process heap; any call, even one that turns
+    it off, takes that decision instead. The environment variable
+    ``TORCH_CAM_HEAP_ALLOCATOR=<min_bytes>`` calls this at ``import torch_cam`` (0: never). Tensors of a forked child (a DataLoader worker), and any the
     heap cannot hold (``TORCH_CAM_PROCESS_HEAP_BYTES``, default the machine's memory up to 256
     GiB), come from the previous allocator."""
     if min_bytes is not None and (not isinstance(min_bytes, int) or min_bytes < 0):
@@ -56,7 +59,7 @@ def use_heap_allocator(min_bytes: int | None = 1 << 20) -> None:
 
 
 def heap_allocator_stats() -> dict[str, int]:
-    """The heap allocator mode's counters: ``installed`` (0/1), ``min_bytes``, ``heap_tensors``
-    and ``heap_bytes`` (live tensors born in the heap), ``cached_bytes`` (freed blocks kept for
-    the next tensor of their size), ``fallbacks`` (tensors the heap could not hold)."""
+    """The heap allocator mode's counters: ``installed`` (0/1), ``auto`` (1: turned on by a group,
+    not by a call), ``min_bytes``, ``heap_tensors`` and ``heap_bytes`` (live tensors born in the
+    heap), ``cached_bytes`` (freed blocks kept for later tensors of their size), ``fallbacks`` (tensors the heap could not hold)."""
     return dict(_C.heap_allocator_stats())
