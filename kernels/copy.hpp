@@ -1,6 +1,9 @@
-// Byte-copy kernels between user tensors and windows. Plain memcpy is the right tool here:
-// glibc picks the widest vector moves (and non-temporal stores for copies larger than the
-// cache) at run time. Rings wrap, so the ring variants split a copy at the ring's end.
+// Byte-copy kernels between user tensors and windows. memcpy is the right tool here: glibc
+// picks the widest vector moves at run time. Large copies go in kCopyPieceBytes calls: glibc
+// chooses its large-copy strategy from the cache sizes the CPU reports, and where those are
+// wrong (a VM that reports a 384 MiB shared cache) a single call of several MiB ran 1.2-1.7x
+// slower than the same bytes in 256 KiB calls, warm or cold (benchmarks/results_copy.md).
+// Rings wrap, so the ring variants split a copy at the ring's end.
 #pragma once
 
 #include <cstdint>
@@ -8,8 +11,15 @@
 
 namespace cam::kernels {
 
+constexpr int64_t kCopyPieceBytes = 256 << 10;
+
 inline void copy_bytes(void* dst, const void* src, int64_t n) {
-  if (n > 0) std::memcpy(dst, src, size_t(n));
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  for (; n > kCopyPieceBytes; n -= kCopyPieceBytes, d += kCopyPieceBytes, s += kCopyPieceBytes) {
+    std::memcpy(d, s, size_t(kCopyPieceBytes));
+  }
+  if (n > 0) std::memcpy(d, s, size_t(n));
 }
 
 // Write n bytes at stream position pos of a ring of ring_bytes.
