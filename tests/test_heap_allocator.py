@@ -329,6 +329,44 @@ print("ok")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("ok", out.stdout)
 
+    def test_aten_scratch_buffers(self):
+        # ATen kernels take scratch memory through raw_allocate/raw_deallocate (gelu, sort,
+        # matmul, ...), which the installed allocator must serve: from the heap above min_bytes,
+        # from the previous allocator below. Values match the same ops with the mode off, and
+        # every heap block comes back.
+        code = r"""
+import torch, torch.nn.functional as F, torch_cam
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+xs = [torch.randn(n, generator=g) for n in (10, 3000, 1 << 16, 1 << 20)]
+m = torch.randn(300, 300, generator=g)
+def ops():
+    out = []
+    for x in xs:
+        out += [F.gelu(x), F.gelu(x, approximate="tanh"), torch.sort(x)[0], torch.softmax(x, 0),
+                torch.cumsum(x, 0), torch.topk(x, min(5, x.numel()))[0], F.layer_norm(x, x.shape)]
+    out += [m @ m, torch.linalg.solve(m, m[:, :3]), F.conv1d(m[:, None], m[:8, None, :5])]
+    return out
+want = ops()
+for min_bytes in (1 << 20, 4096):
+    torch_cam.use_heap_allocator(min_bytes)
+    base = torch_cam.heap_allocator_stats()["heap_tensors"]
+    got = ops()
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"values differ at min_bytes {min_bytes}"
+    s = torch_cam.heap_allocator_stats()
+    assert s["heap_tensors"] > base, s
+    del got
+    s = torch_cam.heap_allocator_stats()
+    assert s["heap_tensors"] == base and s["cached_bytes"] > 0, s
+    torch_cam.use_heap_allocator(None)
+    assert torch_cam.heap_allocator_stats()["cached_bytes"] == 0
+assert all(torch.equal(a, b) for a, b in zip(ops(), want)), "values differ after the mode is off"
+print("ok")
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("ok", out.stdout)
+
     def test_heap_size_and_bad_environment_values(self):
         # A 4 MiB heap holds a 1 MiB tensor; an 8 MiB one comes from the previous allocator.
         code = r"""

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #include "process_heap.hpp"
 
@@ -84,11 +85,28 @@ class HeapAllocator final : public c10::Allocator {
         std::lock_guard<std::mutex> lk(mu_);
         ++live_;
         live_bytes_ += len;
-        return {heap_->arena().block(off), new Block{off, len}, &HeapAllocator::free_block,
-                c10::Device(c10::DeviceType::CPU)};
+        blocks_[off] = len;
+        void* p = heap_->arena().block(off);
+        return {p, p, &HeapAllocator::free_ptr, c10::Device(c10::DeviceType::CPU)};
       }
     }
-    return fallback_.load(std::memory_order_relaxed)->allocate(n);
+    c10::Allocator* fallback = fallback_.load(std::memory_order_relaxed);
+    c10::DataPtr d = fallback->allocate(n);
+    // Rewrapped with this allocator's deleter, so that every allocation has the one deleter
+    // raw_deleter() promises; free_ptr hands it back to the fallback's.
+    if (d.get() == d.get_context() && d.get_deleter() == fallback_raw_ && fallback_raw_) {
+      void* p = d.release_context();
+      return {p, p, &HeapAllocator::free_ptr, d.device()};
+    }
+    return d;
+  }
+
+  // ATen's scratch buffers go through raw_allocate/raw_deallocate, which need every allocation
+  // to carry one deleter whose context is its data pointer: heap blocks are found by address.
+  // Null (raw allocation refused, as torch does) only under a fallback without a raw deleter.
+  c10::DeleterFnPtr raw_deleter() const override {
+    c10::Allocator* fallback = fallback_.load(std::memory_order_relaxed);
+    return fallback_raw_ && fallback->raw_deleter() == fallback_raw_ ? &HeapAllocator::free_ptr : nullptr;
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -108,7 +126,10 @@ class HeapAllocator final : public c10::Allocator {
     }
     // Allocations may reach this allocator the moment it is set: its fallback must be ready.
     owner_ = getpid();
+    arena_ = &heap_->arena();
     fallback_ = c10::GetCPUAllocator();
+    // The first fallback's raw deleter frees what it allocated for this allocator, forever.
+    if (!fallback_raw_) fallback_raw_ = fallback_.load()->raw_deleter();
     c10::SetCPUAllocator(this, kPriority);
     TORCH_CHECK(c10::GetCPUAllocator() == this, "torch_cam.use_heap_allocator: another CPU allocator was ",
                 "installed with a higher priority; cam cannot replace it");
@@ -125,18 +146,23 @@ class HeapAllocator final : public c10::Allocator {
     drop_cache_locked();
   }
 
-  struct Block {
-    int64_t off, len;
-  };
-
-  static void free_block(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    instance().release(*b);
-    delete b;
+  static void free_ptr(void* p) {
+    HeapAllocator& a = instance();
+    TensorArena* arena = a.arena_.load(std::memory_order_acquire);
+    const int64_t off = arena && p ? arena->offset_of(p, 1) : -1;
+    if (off >= 0) {
+      a.release(off);
+    } else {
+      a.fallback_raw_(p);
+    }
   }
 
-  void release(const Block& b) {
+  void release(int64_t off) {
     std::lock_guard<std::mutex> lk(mu_);
+    auto it = blocks_.find(off);
+    TORCH_INTERNAL_ASSERT(it != blocks_.end(), "torch_cam heap allocator: freeing an unknown block at ", off);
+    const Block b{off, it->second};
+    blocks_.erase(it);
     --live_;
     live_bytes_ -= b.len;
     if (getpid() != owner_) return;  // a forked child's copy of a parent's tensor
@@ -168,8 +194,15 @@ class HeapAllocator final : public c10::Allocator {
   bool auto_declined_ = false;  // group_ready() could not install; it does not retry
   std::atomic<int64_t> min_bytes_{INT64_MAX};
   std::atomic<pid_t> owner_{0};
+  struct Block {
+    int64_t off, len;
+  };
+
   std::atomic<c10::Allocator*> fallback_{nullptr};
+  c10::DeleterFnPtr fallback_raw_ = nullptr;  // set once, before this allocator is first installed
   std::shared_ptr<ProcessHeap> heap_;
+  std::atomic<TensorArena*> arena_{nullptr};  // heap_'s arena, for free_ptr without the lock
+  std::unordered_map<int64_t, int64_t> blocks_;  // live block offset -> page-rounded length
   std::multimap<int64_t, int64_t> cached_;  // page-rounded length -> block offset, pages kept
   int64_t cached_bytes_ = 0;
   int64_t live_ = 0, live_bytes_ = 0, fallbacks_ = 0;
