@@ -36,6 +36,7 @@ run 600 tests/test_errors.py tests/test_failures.py tests/test_init.py tests/tes
 run 600 tests/test_fuzz_args.py
 run 600 tests/test_compile.py tests/test_flight_recorder.py
 run 1200 tests/integration
+run 900 tests/test_examples.py
 run_sh 900 tests/test_packaging.sh
 if [ -f tests/dist_suite/run_dist_suite.py ]; then
   run 900 tests/dist_suite/run_dist_suite.py
