@@ -24,7 +24,8 @@ For each world size N this spawns N worker processes (torch.multiprocessing, sta
   tensors from 1 MiB take by default, under the heap allocator mode; with
   ``TORCH_CAM_HEAP_ALLOCATOR=0`` in the environment the plain rows measure staged tensors). The check also requires cam's ``heap_read_bytes``
   stat to grow on every rank (``heap read`` in the check column; ``no heap read`` when cam
-  staged the op anyway, e.g. small all-reduces, which go one-shot through the windows);
+  staged the op anyway) above ``eager_max_bytes``; inputs up to it go through the eager area
+  whatever their memory (``eager``: one synchronisation per op);
 * ``(direct)`` rows, cam only: all_reduce fp32 / bf16 through ``torch_cam.all_reduce_`` (no
   torch.distributed Python layer, no Work object), the fair comparison with DeepSpeed's op;
 * ``memcpy bound`` at 16 MiB and 64 MiB: every rank copies that many bytes of its own at the
@@ -303,9 +304,13 @@ def _collective_cell(backend: str, op: str, nbytes: int, group, gloo, plan: C.Pl
     ok = _check(op, b, fn, rank, world)
     ok = H.all_ok(ok, gloo)
     if heap:
-        # A broadcast root is read, it reads nothing.
-        read = stats.stats()["heap_read_bytes"] > before or (op == "broadcast" and rank == 0)
-        extra["heap_read"] = H.all_ok(read, gloo)
+        # A broadcast root is read, it reads nothing. Inputs that fit the eager area go through
+        # it instead (one synchronisation beats reading in place), so they read nothing either.
+        if nbytes <= torch_cam.Options().eager_max_bytes:
+            extra["eager"] = True
+        else:
+            read = stats.stats()["heap_read_bytes"] > before or (op == "broadcast" and rank == 0)
+            extra["heap_read"] = H.all_ok(read, gloo)
     return times, batch, samples, ok, extra
 
 
@@ -485,6 +490,8 @@ def table(world: int, res: dict, refs: dict[str, dict | None], args, floor_us: f
                         no_heap_read.append(f"{C.label(op)} {C.fmt_size(size)}")
                     elif cam.get("heap_read"):
                         check += ", heap read"
+                    elif cam.get("eager"):
+                        check += ", eager"
                     cells.append(check)
                 else:
                     named = (("cam" if key == "cam" else "memcpy", cam), ("gloo", gloo), *ref.items(), ("ds", d))
@@ -497,7 +504,8 @@ def table(world: int, res: dict, refs: dict[str, dict | None], args, floor_us: f
              "`(heap)` rows: cam with every rank's input in its tensor heap (`torch_cam.empty`), which "
              "peers read in place; gloo/mpi/ds-shm have no such memory, so their columns (and the ratios) "
              "repeat the ordinary-tensor measurement of the same op. `heap read`: the check saw cam's "
-             "`heap_read_bytes` grow on every rank (the in-place path ran)."]
+             "`heap_read_bytes` grow on every rank (the in-place path ran); `eager`: the input fits "
+             "the eager area (`eager_max_bytes`), which every op takes instead."]
     if no_heap_read:
         notes.append("no heap read (cam staged these although the inputs were heap-resident): " +
                      ", ".join(no_heap_read))

@@ -15,6 +15,7 @@ class AllGatherOp final : public StagedRoundsOp {
   static Shape shape_of(StagedAlgo algo) {
     Shape s;
     s.root_only = algo == StagedAlgo::kGather;
+    s.eager = true;
     return s;
   }
 

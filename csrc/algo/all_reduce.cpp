@@ -22,7 +22,7 @@ class AllReduceOp final : public StagedRoundsOp {
         s.result_area = true;
         break;
       case StagedAlgo::kAllReduceEager:
-        s.staged = false;
+        s.eager = true;
         s.reads_in_place = false;
         break;
       default:  // one-shot writes the output while peers would still read the input
@@ -32,14 +32,6 @@ class AllReduceOp final : public StagedRoundsOp {
     return s;
   }
   bool two_shot() const { return args_.algo == StagedAlgo::kAllReduceTwoShot; }
-  bool eager() const { return args_.algo == StagedAlgo::kAllReduceEager; }
-
-  void fill_desc_extra(Context& ctx, CollDesc*) override {
-    if (!eager()) return;
-    // Published by the descriptor's release; see CollectiveWindow::eager for why the half is free.
-    kernels::copy_bytes(ctx.coll.eager(ctx.me, seq()), in_, in_bytes_);
-    ctx.stats.add(ctx.stats.staged_bytes, in_bytes_);
-  }
 
   void split_blocks(Context& ctx) override {
     if (!two_shot()) return;
@@ -55,10 +47,7 @@ class AllReduceOp final : public StagedRoundsOp {
 
   void read_round(Context& ctx, int64_t k) override {
     const int me = ctx.rank, n = ctx.world;
-    if (eager()) {
-      for (int p = 0; p < n; ++p) srcs_[p] = p == me ? in_ : ctx.coll.eager(ctx.peer(p), seq());
-      kernels::reduce(args_.input.scalar_type(), args_.red_op, out_, srcs_.data(), n, in_bytes_ / elem_, n);
-    } else if (!two_shot()) {
+    if (!two_shot()) {
       reduce_whole_round(ctx, k);
     } else {
       const Piece pc = piece(me, k);

@@ -2,6 +2,18 @@
 #include "collective.hpp"
 
 namespace cam {
+namespace {
+
+// Bytes sender sends to its peers, from its descriptor's send sizes: whether they fit the
+// eager area together decides, alike on every rank, whether its blocks go eager.
+int64_t peer_send_bytes(const CollectiveWindow& W, const CollDesc* d, int sender, int n) {
+  const int64_t* s = W.desc_send_bytes(d);
+  int64_t total = 0;
+  for (int j = 0; j < n; ++j) total += j == sender ? 0 : s[j];
+  return total;
+}
+
+}  // namespace
 
 AllToAllOp::AllToAllOp(const char* name, CollKind kind, uint64_t seq, Clock::time_point deadline, int dtype,
                        std::vector<AllToAllBlock> send, std::vector<AllToAllBlock> recv,
@@ -31,6 +43,15 @@ void AllToAllOp::fill_desc(Context& ctx, CollDesc* d) {
     r[j] = recv_[j].nbytes;
     a[j] = in_heap ? uint64_t(send_[j].nbytes > 0 ? ctx.heap_offset(send_[j].ptr, send_[j].nbytes) : 0)
                    : reinterpret_cast<uint64_t>(send_[j].ptr);
+  }
+  if (ctx.world > 1 && ctx.coll.eager_fits(peer_send_bytes(ctx.coll, d, ctx.rank, ctx.world))) {
+    char* eager = ctx.coll.eager(ctx.me, seq());
+    for (int j = 0; j < ctx.world; ++j) {
+      if (j == ctx.rank) continue;
+      kernels::copy_bytes(eager, send_[j].ptr, send_[j].nbytes);
+      eager += send_[j].nbytes;
+      ctx.stats.add(ctx.stats.staged_bytes, send_[j].nbytes);
+    }
   }
 }
 
@@ -63,7 +84,10 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
   // heap-resident sender's blocks are always read in place (plain loads); otherwise the
   // receiver's single-copy threshold rules (it is in the receiver's descriptor, seen by both).
   const int n = ctx.world, me = ctx.rank;
+  std::vector<char> eager(n);
+  for (int p = 0; p < n; ++p) eager[p] = ctx.coll.eager_fits(peer_send_bytes(ctx.coll, descs[p], p, n));
   auto direct = [&](int sender, int receiver, int64_t nbytes) -> char {
+    if (eager[sender]) return kEager;
     if (descs[sender]->heap_off >= 0) return kDirectHeap;
     const int64_t min = descs[receiver]->direct_min_bytes;
     return min > 0 && nbytes >= min ? kDirectSyscall : kStaged;
@@ -77,6 +101,11 @@ void AllToAllOp::validate(Context& ctx, const std::vector<const CollDesc*>& desc
     direct_send_[p] = direct(me, p, send_[p].nbytes);
     direct_recv_[p] = direct(p, me, recv_[p].nbytes);
     src_addr_[p] = ctx.coll.desc_send_addr(descs[p])[me];
+    if (direct_recv_[p] == kEager) {  // p packed its blocks for ranks before this one first
+      const int64_t* sends = ctx.coll.desc_send_bytes(descs[p]);
+      src_addr_[p] = 0;
+      for (int j = 0; j < me; ++j) src_addr_[p] += j == p ? 0 : sends[j];
+    }
   }
 }
 
@@ -92,7 +121,7 @@ bool AllToAllOp::data_step(Context& ctx) {
     nrecv_.assign(n, 0);
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
-      nsend_[p] = direct_send_[p] ? 1 : chunks(send_[p].nbytes);
+      nsend_[p] = direct_send_[p] == kEager ? 0 : direct_send_[p] ? 1 : chunks(send_[p].nbytes);
       nrecv_[p] = direct_recv_[p] ? 1 : chunks(recv_[p].nbytes);
     }
   }
@@ -108,7 +137,9 @@ bool AllToAllOp::data_step(Context& ctx) {
   for (int d = 1; d < n; ++d) {
     const int dst = (me + d) % n;
     const int64_t nsend = nsend_[dst];
-    if (direct_send_[dst] && sent_[dst] == 0) {
+    if (direct_send_[dst] == kEager) {
+      // Copied out of the eager area by dst; nothing to wait for.
+    } else if (direct_send_[dst] && sent_[dst] == 0) {
       // dst reads the block itself; the op may finish only once it says it is done.
       if (signal_acquire(W.consumed(ctx.peer(dst), me)) >= stream_value(seq(), 1)) {
         sent_[dst] = 1;
@@ -139,7 +170,11 @@ bool AllToAllOp::data_step(Context& ctx) {
     }
     const int src = (me - d + n) % n;
     const int64_t nrecv = nrecv_[src];
-    if (direct_recv_[src] && received_[src] == 0) {
+    if (direct_recv_[src] == kEager && received_[src] == 0) {
+      kernels::copy_bytes(recv_[src].ptr, W.eager(ctx.peer(src), seq()) + src_addr_[src], recv_[src].nbytes);
+      received_[src] = 1;
+      progress = true;
+    } else if (direct_recv_[src] && received_[src] == 0) {
       // One piece per pass, so that staged channels and other readers keep flowing.
       const int64_t total = recv_[src].nbytes;
       const int64_t piece = std::min<int64_t>(kDirectPieceBytes, total - direct_done_[src]);

@@ -20,6 +20,10 @@ void BroadcastOp::fill_desc(Context& ctx, CollDesc* d) {
   d->elem_size = int32_t(buf_.element_size());
   d->nbytes = nbytes_;
   d->heap_off = ctx.rank == root_ ? ctx.heap_offset(buf_.data_ptr(), nbytes_) : -1;
+  if (ctx.rank == root_ && ctx.world > 1 && ctx.coll.eager_fits(nbytes_)) {
+    kernels::copy_bytes(ctx.coll.eager(ctx.me, seq()), buf_.data_ptr(), nbytes_);
+    ctx.stats.add(ctx.stats.staged_bytes, nbytes_);
+  }
 }
 
 void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& descs) {
@@ -39,6 +43,15 @@ void BroadcastOp::validate(Context& ctx, const std::vector<const CollDesc*>& des
     }
   }
   root_heap_off_ = root->heap_off;
+  eager_ = ctx.world > 1 && ctx.coll.eager_fits(nbytes_);  // the root's size, now that they agree
+}
+
+bool BroadcastOp::eager_step(Context& ctx) {
+  if (ctx.rank != root_) {
+    kernels::copy_bytes(buf_.data_ptr(), ctx.coll.eager(ctx.peer(root_), seq()), nbytes_);
+  }
+  mark_done();
+  return true;
 }
 
 bool BroadcastOp::in_place_step(Context& ctx) {
@@ -69,6 +82,7 @@ bool BroadcastOp::in_place_step(Context& ctx) {
 }
 
 bool BroadcastOp::data_step(Context& ctx) {
+  if (eager_) return eager_step(ctx);
   if (root_heap_off_ >= 0) return in_place_step(ctx);
   const CollectiveWindow& W = ctx.coll;
   if (nslots_ == 0) {

@@ -138,7 +138,9 @@ constexpr int64_t kDirectPieceBytes = 4ll << 20;
 // Broadcast: the root copies its tensor once into a ring of slots in its own staging region;
 // every other rank copies each slot out as soon as it is signalled. The root reuses a slot
 // only after every reader has released it, so any size streams through a bounded window. A
-// heap-resident root tensor skips the ring: receivers copy it in place and then signal.
+// heap-resident root tensor skips the ring: receivers copy it in place and then signal. A
+// tensor that fits the eager area rides there instead (CollectiveWindow::eager): receivers
+// copy it out and nobody signals back.
 class BroadcastOp final : public CollectiveOp {
  public:
   BroadcastOp(uint64_t seq, Clock::time_point deadline, int root, bool is_root, at::Tensor tensor);
@@ -153,7 +155,9 @@ class BroadcastOp final : public CollectiveOp {
  private:
   // A heap-resident root tensor: every receiver copies it in place, one copy per byte.
   bool in_place_step(Context& ctx);
+  bool eager_step(Context& ctx);
   int root_;
+  bool eager_ = false;
   at::Tensor user_, buf_;  // buf_ is contiguous (user_ itself when it already is)
   int64_t nbytes_, slot_bytes_ = 0, nslots_ = 0, nchunks_ = 0;
   int64_t next_chunk_ = 0;  // staged: chunks moved; in place: bytes copied
@@ -166,7 +170,10 @@ class BroadcastOp final : public CollectiveOp {
 // the ring: those of a sender whose input is a heap-resident tensor (the receiver copies them
 // in place out of the sender's arena), and those large enough for the receiver's single-copy
 // threshold (read out of the sender's address space by syscall). Either way the receiver then
-// signals the sender, which keeps its tensor untouched until every such reader is done.
+// signals the sender, which keeps its tensor untouched until every such reader is done. A
+// sender whose blocks for its peers fit the eager area together packs them there, in rank
+// order, before publishing (CollectiveWindow::eager): receivers copy theirs out, and nothing
+// is signalled back.
 struct AllToAllBlock {
   char* ptr = nullptr;
   int64_t nbytes = 0;
@@ -195,10 +202,12 @@ class AllToAllOp final : public CollectiveOp {
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;
   std::vector<int64_t> sent_, received_;  // chunks per peer (a direct block counts as one)
   std::vector<int64_t> nsend_, nrecv_;     // chunks to move per peer
-  // How each block moves: staged through the ring, read by syscall, or read in place.
-  enum : char { kStaged = 0, kDirectSyscall = 1, kDirectHeap = 2 };
+  // How each block moves: staged through the ring, read by syscall, read in place, or copied
+  // out of the sender's eager area.
+  enum : char { kStaged = 0, kDirectSyscall = 1, kDirectHeap = 2, kEager = 3 };
   std::vector<char> direct_send_, direct_recv_;
-  std::vector<uint64_t> src_addr_;         // where rank i keeps its block for this rank
+  std::vector<uint64_t> src_addr_;         // where rank i keeps its block for this rank (eager:
+                                           // its offset in i's eager area)
   std::vector<int64_t> direct_done_;       // bytes read so far per direct source
   int64_t region_bytes_ = 0, slot_bytes_ = 0, nslots_ = 0;
   bool local_done_ = false;

@@ -6,7 +6,7 @@
 //            produced[N]       stream counters in the producer's window, one per consumer
 //            consumed[N]       stream counters in the consumer's window, one per producer
 //            reduced           two-shot all_reduce: rounds whose reduced piece the owner published
-//   data     eager[2]          eager all_reduce inputs by collective parity
+//   data     eager[2]          small inputs by collective parity (eager collectives)
 //            staging           the owner's staging region (rings of slots, written only by it)
 //
 // Everything a peer reads lives in the writer's own window except `consumed`, which lives in
@@ -79,10 +79,14 @@ class CollectiveWindow {
   uint64_t& consumed(char* w, int src) const { return line(w, off_consumed_, src); }
   uint64_t& reduced(char* w) const { return line(w, off_reduced_, 0); }
 
-  // Eager all_reduce: collective seq's input, written before its descriptor is published. Two
-  // halves by seq parity: a rank that completed seq - 1 saw every descriptor of seq - 1, so
-  // every peer has finished seq - 2, the last reader of this half.
+  // Eager collectives: a rank's input of collective seq, copied in before its descriptor is
+  // published, so that the descriptor exchange is the op's only synchronisation (readers copy
+  // straight out and nobody signals back). Two halves by seq parity: a rank that completed
+  // seq - 1 saw every descriptor of seq - 1, so every peer has finished seq - 2, the last
+  // reader of this half. An op goes eager when its input fits (eager_fits), decided from sizes
+  // the descriptors carry, so writer and readers agree.
   int64_t eager_bytes() const { return eager_bytes_; }
+  bool eager_fits(int64_t nbytes) const { return nbytes > 0 && nbytes <= eager_bytes_; }
   char* eager(char* w, uint64_t seq) const { return w + off_eager_ + (seq & 1) * eager_bytes_; }
 
   int64_t staging_bytes() const { return staging_bytes_; }

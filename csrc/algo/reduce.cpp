@@ -14,6 +14,7 @@ class ReduceOp final : public StagedRoundsOp {
     Shape s;
     s.root_only = true;
     s.reduces = true;
+    s.eager = true;
     s.reads_in_place = false;  // the root writes its output while peers would still read it
     return s;
   }

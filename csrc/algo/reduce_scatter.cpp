@@ -16,6 +16,7 @@ class ReduceScatterOp final : public StagedRoundsOp {
     Shape s;
     s.reduces = true;
     s.split = true;
+    s.eager = true;
     return s;
   }
   int64_t block_bytes(Context& ctx, int j) const {

@@ -50,6 +50,12 @@ void StagedRoundsOp::fill_desc(Context& ctx, CollDesc* d) {
   d->nbytes = in_bytes_;
   d->red_op = int32_t(args_.red_op);
   d->algo = int32_t(args_.algo);
+  // Every rank decides alike: the sizes are validated equal before anyone reads.
+  eager_ = shape_.eager && ctx.world > 1 && ctx.coll.eager_fits(in_bytes_);
+  if (eager_ && !(shape_.root_only && ctx.rank == args_.root)) {  // a root's input has no reader
+    kernels::copy_bytes(ctx.coll.eager(ctx.me, seq()), in_, in_bytes_);
+    ctx.stats.add(ctx.stats.staged_bytes, in_bytes_);
+  }
   fill_desc_extra(ctx, d);
   d->heap_off = ctx.heap_offset(in_, in_bytes_);
 }
@@ -79,7 +85,7 @@ void StagedRoundsOp::validate(Context& ctx, const std::vector<const CollDesc*>& 
     }
   }
   validate_blocks(ctx, descs);
-  zero_copy_ = shape_.reads_in_place && ctx.world > 1 && in_bytes_ > 0;
+  zero_copy_ = !eager_ && shape_.reads_in_place && ctx.world > 1 && in_bytes_ > 0;
   for (int r = 0; r < ctx.world && zero_copy_; ++r) zero_copy_ = descs[r]->heap_off >= 0;
   if (zero_copy_) {
     heap_src_.assign(ctx.world, nullptr);
@@ -104,9 +110,11 @@ void StagedRoundsOp::plan(Context& ctx) {
   nrounds_ = (*std::max_element(block_len_.begin(), block_len_.end()) + piece_bytes_ - 1) / piece_bytes_;
   // Who reads whose slots: in the root shapes only the root reads, and nobody reads the root's.
   reads_ = !shape_.root_only || me == args_.root;
-  stages_ = n > 1 && (!shape_.root_only || me != args_.root) && !zero_copy_ && shape_.staged;
-  // Inputs that are not staged are read whole, in one round.
-  if (!shape_.staged) nrounds_ = in_bytes_ > 0 ? 1 : 0;
+  stages_ = n > 1 && (!shape_.root_only || me != args_.root) && !zero_copy_ && !eager_;
+  if (eager_) {  // read whole, in one round
+    piece_bytes_ = in_bytes_;
+    nrounds_ = 1;
+  }
   srcs_.assign(n, nullptr);
 }
 
@@ -169,7 +177,7 @@ bool StagedRoundsOp::read_rounds(Context& ctx) {
     // In place, the output overwrites the input: stage this round before changing it.
     if (stages_ && staged_ <= k) return progress;
     const uint64_t need = stream_value(seq(), k + 1);
-    for (int d = 1; d < n && shape_.staged && !zero_copy_; ++d) {
+    for (int d = 1; d < n && !eager_ && !zero_copy_; ++d) {
       const int p = (me + d) % n;
       if (signal_acquire(W.produced(ctx.peer(p), p)) < need) {
         waiting(p, "staged data");
@@ -184,7 +192,7 @@ bool StagedRoundsOp::read_rounds(Context& ctx) {
     if (shape_.result_area) {
       kernels::store_fence();
       signal_release(W.reduced(ctx.me), need);
-    } else if (shape_.staged || zero_copy_) {
+    } else if (!eager_) {
       for (int p = 0; p < n; ++p) {
         if (p != me) signal_release(W.consumed(ctx.me, p), need);
       }

@@ -5,9 +5,7 @@
 //
 //   all_reduce (all_reduce.cpp)
 //     one-shot           every rank stages its chunk; every rank reduces all N chunks
-//     eager              one-shot for small inputs: the input is copied into the window's
-//                        eager area before the descriptor is published, so after the
-//                        descriptor exchange every rank reduces at once (no staging signals)
+//     eager              one-shot for small inputs (see Eager below)
 //     two-shot           reduce-scatter then all-gather: every rank stages N pieces (one per
 //                        rank), reduces the piece it owns into a result area of its slot and
 //                        publishes it (the `reduced` signal); every rank then copies all
@@ -23,6 +21,13 @@
 // (`consumed`), so any size streams through the fixed window and consecutive rounds overlap
 // (a rank stages round k+1 while its peers still read round k). A rank never stages what
 // only it reads: its own piece is read straight from its input.
+//
+// Eager: an input that fits the window's eager area (CollectiveWindow::eager_fits) is copied
+// there before the descriptor is published and read from there in one round once every
+// descriptor is visible: no staging signals, no release, so a small collective costs one
+// synchronisation. all_reduce goes eager as its own algorithm (eager one-shot, chosen by
+// eager_max_bytes); the other shapes whenever the input fits. It takes precedence over
+// zero-copy, whose release is a second synchronisation.
 //
 // Zero-copy: when every rank's input is a heap-resident tensor (torch_cam.empty), nothing is
 // staged: readers take pieces straight out of the peers' tensors, two-shot reduces each piece
@@ -87,7 +92,7 @@ class StagedRoundsOp : public CollectiveOp {
     bool reduces = false;
     bool split = false;          // an input is N pieces, piece j read (and owned) by rank j
     bool result_area = false;    // a slot also holds the reduced piece of its stager (two-shot)
-    bool staged = true;          // false: peers' inputs reach readers some other way (eager)
+    bool eager = false;          // inputs that fit go through the eager area
     bool reads_in_place = true;  // zero-copy when every input is heap-resident
   };
   // `args` is taken by reference so that a subclass can derive `shape` from it in the same call.
@@ -121,6 +126,7 @@ class StagedRoundsOp : public CollectiveOp {
   // Where rank p's bytes at input offset `off` of round k are: its tensor or its slot.
   const char* source(Context& ctx, int p, int64_t k, int64_t off, int64_t slot_off) const {
     if (p == ctx.rank) return in_ + off;
+    if (eager_) return ctx.coll.eager(ctx.peer(p), seq()) + off;
     return zero_copy_ ? heap_src_[p] + off : slot(ctx, p, k) + slot_off;
   }
 
@@ -129,6 +135,7 @@ class StagedRoundsOp : public CollectiveOp {
   char* in_ = nullptr;
   char* out_ = nullptr;
   int64_t in_bytes_ = 0, elem_ = 1;
+  bool eager_ = false;  // this op's inputs go through the eager area (fill_desc decides)
   bool zero_copy_ = false;
   std::vector<char*> heap_src_;  // zero-copy: where each rank's input is mapped here
   std::vector<int64_t> block_off_, block_len_;
