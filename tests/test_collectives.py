@@ -24,6 +24,7 @@ R = dist.ReduceOp
 WINDOW = 1 << 20
 CHUNK = 64 << 10
 ONE_SHOT_MAX = 256 << 10  # the default one_shot_max_bytes
+EAGER_MAX = 64 << 10  # the default eager_max_bytes: inputs up to it ride in the eager area
 # float32 elements: empty, tiny, odd, just past one chunk, exactly the one-shot limit, one past
 # it, several windows.
 SIZES = [0, 1, 7, 16_411, 65_536, 65_537, 300_001, 1_000_003]
@@ -762,6 +763,95 @@ class CamCollectivesCases(CamProcessGroupCase):
         s2.wait()
         self.assertTrue(same_bytes(got, make(400_000, torch.float32, seed=prv)))
         self.assertTrue(same_bytes(got2, make(1000, torch.int32, seed=nxt)))
+
+    def test_eager_boundary_and_path(self):
+        # Up to eager_max_bytes an input rides in the eager area whatever its memory: staged
+        # once by its owner, nothing read in place. One element more takes the other paths
+        # (heap tensors: read in place). Values checked on both sides of the boundary.
+        w, r = self.world_size, self.rank
+        be = torch_cam.get_cam_backend()
+        fits = EAGER_MAX // 4
+        for n in (fits, fits + 1):
+            eager = n == fits
+            xs = self.inputs(n, torch.float32, seed=4100 + n)
+            for root in range(w):
+                t = torch_cam.empty(n)
+                t.copy_(xs[root] if r == root else torch.zeros(n))
+                before = be.stats()
+                dist.broadcast(t, root)
+                after = be.stats()
+                self.assertTrue(same_bytes(t, xs[root]), f"broadcast n {n} root {root}")
+                staged = after["staged_bytes"] - before["staged_bytes"]
+                read = after["heap_read_bytes"] - before["heap_read_bytes"]
+                if eager:
+                    self.assertEqual((staged, read), (4 * n if r == root and w > 1 else 0, 0), f"broadcast n {n}")
+                elif w > 1:
+                    self.assertEqual((staged, read > 0), (0, r != root), f"broadcast n {n}")
+            inp = torch_cam.empty(n)
+            inp.copy_(xs[r])
+            out = torch.empty(w * n)
+            before = be.stats()
+            dist.all_gather_into_tensor(out, inp)
+            after = be.stats()
+            self.assertTrue(same_bytes(out, torch.cat(xs)), f"all_gather n {n}")
+            staged = after["staged_bytes"] - before["staged_bytes"]
+            read = after["heap_read_bytes"] - before["heap_read_bytes"]
+            if w > 1:
+                self.assertEqual((staged, read > 0), (4 * n, False) if eager else (0, True), f"all_gather n {n}")
+            m = n // w
+            blocks = [x[: w * m] for x in xs]
+            rs_in = blocks[r].clone()
+            rs_out = torch.full((m,), -1.0)
+            dist.reduce_scatter_tensor(rs_out, rs_in)
+            want = reference([b[r * m:(r + 1) * m] for b in blocks], R.SUM)
+            self.assertTrue(same_bytes(rs_out, want), f"reduce_scatter n {n}")
+            red = xs[r].clone()
+            dist.reduce(red, dst=w - 1)
+            if r == w - 1:
+                self.assertTrue(same_bytes(red, reference(xs, R.SUM)), f"reduce n {n}")
+
+    def test_all_to_all_eager_and_staged_senders(self):
+        # Each sender goes eager when its blocks for its peers fit the eager area together;
+        # here odd ranks send small blocks (eager) and even ranks large ones (staged), so
+        # every receiver mixes both kinds, with uneven splits.
+        w, r = self.world_size, self.rank
+        small, large = 3, EAGER_MAX // 4 // max(1, w - 1) + 5
+
+        def split(s, d):
+            return (small if s % 2 else large) + d
+
+        def data(s):
+            return make(sum(split(s, d) for d in range(w)), torch.float32, seed=4200 + s)
+
+        out = torch.empty(sum(split(s, r) for s in range(w)))
+        dist.all_to_all_single(out, data(r), [split(s, r) for s in range(w)], [split(r, d) for d in range(w)])
+        want = torch.cat([data(s).split([split(s, d) for d in range(w)])[r] for s in range(w)])
+        self.assertTrue(same_bytes(out, want))
+
+    def test_eager_sequence_alternates_halves(self):
+        # Back-to-back eager collectives of every kind, async so each is queued behind the
+        # previous, through the eager area's two halves; every result checked.
+        w, r = self.world_size, self.rank
+        pending = []
+        for k in range(12):
+            n = (k * 37) % 200 + 1
+            xs = self.inputs(n, torch.float32, seed=4300 + k)
+            root = k % w
+            t = xs[root].clone() if r == root else torch.zeros(n)
+            pending.append((dist.broadcast(t, root, async_op=True), t, xs[root], f"broadcast {k}"))
+            g = torch.empty(w * n)
+            src = xs[r].clone()
+            pending.append((dist.all_gather_into_tensor(g, src, async_op=True), g, torch.cat(xs), f"all_gather {k}"))
+            a = torch.empty(w * n)
+            a_in = torch.cat([xs[r]] * w)
+            pending.append((dist.all_to_all_single(a, a_in, async_op=True), a, torch.cat(xs), f"all_to_all {k}"))
+            s = xs[r].clone()
+            pending.append((dist.all_reduce(s, async_op=True), s, reference(xs, R.SUM), f"all_reduce {k}"))
+            pending.append((None, src, xs[r], f"all_gather input {k}"))
+        for work, t, want, what in pending:
+            if work is not None:
+                work.wait()
+            self.assertTrue(same_bytes(t, want), what)
 
     def test_mixed_sequence_reuses_staging(self):
         # Back-to-back collectives of different shapes and algorithms through the same slots;

@@ -31,8 +31,9 @@ class Options:
     #: all_reduce: one-shot (every rank reduces everything) up to this size, reduce-scatter +
     #: all-gather above.
     one_shot_max_bytes: int = 256 << 10
-    #: One-shot all_reduce up to this size is eager (input copied in with the descriptor: one
-    #: synchronisation instead of two).
+    #: Collective inputs up to this size are eager: copied into the window with the descriptor,
+    #: so the descriptor exchange is the op's only synchronisation (broadcast, all_to_all per
+    #: sender, all_gather, gather, reduce, reduce_scatter, and one-shot all_reduce).
     eager_max_bytes: int = 64 << 10
     #: Freed MoE outputs (expand_x, combined tokens) kept per group for reuse, at most this
     #: many bytes of address space: reusing them spares every call the page faults of fresh
