@@ -64,23 +64,63 @@ def _detail_debug(rank, world_size, init_file):
     return _exercise(rank, world_size), type(backend).__name__
 
 
+def _cannot_create_a_window():
+    """Makes this process unable to size a window (ftruncate past RLIMIT_FSIZE fails with
+    EFBIG) while its options stay those of its peers."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def _one_rank_cannot_create_its_window(rank, world_size, init_file, subgroup):
     import time
     import torch_cam  # noqa: F401
-    too_big = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize + (64 << 20)
     if not subgroup and rank == 1:
-        os.environ["TORCH_CAM_WINDOW_BYTES"] = str(too_big)
+        _cannot_create_a_window()
     start = time.monotonic()
     try:
         dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=30))
         if subgroup:
-            opts = {"window_bytes": too_big} if rank == 1 else None
-            g = dist.new_group([2, 1, 0], backend="cam", pg_options=opts)
+            if rank == 1:
+                _cannot_create_a_window()
+            g = dist.new_group([2, 1, 0], backend="cam")
             dist.barrier(group=g)
         return "no error", time.monotonic() - start
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}", time.monotonic() - start
+
+
+def _options_per_rank(rank, world_size, init_file, env, subgroup_options):
+    """Init with this rank's TORCH_CAM_* environment (env[rank]) and, when subgroup_options is
+    given, a subgroup of all ranks with this rank's pg_options (subgroup_options[rank]); then a
+    checked all_reduce on whichever group came up last, and on the world group."""
+    import time
+    import torch_cam  # noqa: F401
+    os.environ.update(env.get(rank, {}))
+    start = time.monotonic()
+    errors = []
+    try:
+        dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - start, None
+    groups = [None]
+    if subgroup_options is not None:
+        try:
+            groups.append(dist.new_group(list(range(world_size)), backend="cam",
+                                         pg_options=subgroup_options.get(rank)))
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+    elapsed = time.monotonic() - start
+    sums = []
+    for g in groups:  # the world group works whether or not the subgroup came up
+        t = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        sums.append(t.unique().tolist())
+    dist.destroy_process_group()
+    return (errors[0] if errors else "no error"), elapsed, sums
 
 
 def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
@@ -89,8 +129,7 @@ def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     if rank == 1:
-        os.environ["TORCH_CAM_WINDOW_BYTES"] = str(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-                                                   + (64 << 20))
+        _cannot_create_a_window()
         try:
             dist.init_process_group("cam", store=store, rank=rank, world_size=world_size)
         finally:
@@ -99,7 +138,7 @@ def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
     # Every rank reads all ranks' hosts before setting up its window (torch_cam/backend.py): post
     # this rank's now, as a peer already in init would have, so that rank 1 gets to fail first.
     # (torch prefixes the default group's keys with "0//cpu//" when init gets a store.)
-    store.set(f"0//cpu//cam_host/0/{rank}", f"{torch_cam._C.host_key()}\n{torch_cam._C.host_name()}")
+    store.set(f"0//cpu//cam_host/0/{rank}", torch_cam.backend.rank_record(torch_cam.Options.from_env()))
     store.wait(["rank1_done"])
     time.sleep(1.0)  # rank 1 is gone by now
     start = time.monotonic()
@@ -128,7 +167,8 @@ class InitFailureTest(unittest.TestCase):
             self.assertIn(f"cam init of group {group} on rank {r}: ", msg)
             if r != 1:
                 self.assertIn("rank 1 could not set up its window: ", msg)
-            self.assertRegex(msg, r"the window needs [\d.]+ MiB of shared memory but /dev/shm has only")
+            self.assertRegex(msg, r"cannot reserve [\d.]+ MiB of shared memory in /dev/shm for this rank's window: "
+                                  r"File too large")
         self.assertEqual(set(cam_segments()) - before, set())
 
     def test_world_group(self):
@@ -147,6 +187,52 @@ class InitFailureTest(unittest.TestCase):
 
     def test_subgroup(self):
         self.check(True, r"'1' (global ranks [0, 1, 2])")
+
+
+class GroupWideOptionsTest(unittest.TestCase):
+    """Options that lay out the windows or choose an op's algorithm (torch_cam.config.GROUP_WIDE)
+    must be equal on every rank: a group whose ranks disagree is refused at init by every rank,
+    naming the option, the peer and both values, before any window is mapped (a smaller peer
+    window would otherwise fault on access, and ranks on two paths of one op would hang)."""
+
+    def check_refused(self, results, option, odd_rank, odd, usual):
+        for r, (status, (msg, elapsed, _)) in sorted(results.items()):
+            self.assertEqual(status, "ok")
+            self.assertLess(elapsed, 10, f"rank {r} raised only after {elapsed:.1f} s: {msg}")
+            peer, theirs, mine = (0, usual, odd) if r == odd_rank else (odd_rank, odd, usual)
+            self.assertIn(f"on rank {r}: rank {peer} has {option}={theirs} but this rank has {option}={mine}", msg)
+            self.assertIn("must be equal on every rank of a group", msg)
+
+    def test_window_bytes_differs(self):
+        before = set(cam_segments())
+        env = {1: {"TORCH_CAM_WINDOW_BYTES": str(8 << 20)}}
+        results = run_ranks(_options_per_rank, 3, env, None, deadline_s=90)
+        self.check_refused(results, "window_bytes", 1, 8 << 20, 32 << 20)
+        self.assertEqual(set(cam_segments()) - before, set())
+
+    def test_eager_max_bytes_differs_in_a_subgroup(self):
+        results = run_ranks(_options_per_rank, 3, {}, {2: {"eager_max_bytes": 4096}}, deadline_s=90)
+        self.check_refused(results, "eager_max_bytes", 2, 4096, 64 << 10)
+        for r, (_, (_, _, sums)) in results.items():
+            self.assertEqual(sums, [[6.0]], f"rank {r}: the world group after the refused subgroup")
+
+    def test_per_rank_options_may_differ(self):
+        env = {0: {"TORCH_CAM_SPIN_US": "0", "TORCH_CAM_LOG_LEVEL": "error"},
+               1: {"TORCH_CAM_FLIGHT_RECORDER_ENTRIES": "0", "TORCH_CAM_SLEEP_MAX_US": "50"}}
+        results = run_ranks(_options_per_rank, 2, env, {1: {"liveness_interval_ms": 10}}, deadline_s=90)
+        assert_all_ok(self, results)
+        for r, (_, (msg, _, sums)) in results.items():
+            self.assertEqual((msg, sums), ("no error", [[3.0], [3.0]]), f"rank {r}")
+
+    def test_every_window_larger_than_dev_shm(self):
+        vfs = os.statvfs("/dev/shm")
+        env = {r: {"TORCH_CAM_WINDOW_BYTES": str(vfs.f_bavail * vfs.f_frsize + (64 << 20))} for r in range(2)}
+        results = run_ranks(_options_per_rank, 2, env, None, deadline_s=90)
+        for r, (status, (msg, elapsed, _)) in sorted(results.items()):
+            self.assertEqual(status, "ok")
+            self.assertLess(elapsed, 10, f"rank {r}: {msg}")
+            self.assertRegex(msg, rf"on rank {r}: (rank \d could not set up its window: )?"
+                                  r".*the window needs [\d.]+ MiB of shared memory but /dev/shm has only")
 
 
 class InitMethodsTest(unittest.TestCase):

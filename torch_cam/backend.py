@@ -1,6 +1,7 @@
 """The creator torch.distributed calls for every cam group, and lookup helpers."""
 from __future__ import annotations
 
+import json
 import os
 import weakref
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .config import Options
+from .config import GROUP_WIDE, Options
 
 BACKEND_NAME = "cam"
 
@@ -28,12 +29,22 @@ def _describe_group(dist_backend_opts) -> str:
 _spanning: "weakref.WeakValueDictionary[str, _C.HierarchicalBackend]" = weakref.WeakValueDictionary()
 
 
-def _host_table(store, rank: int, size: int, timeout, where: str) -> tuple[list[str], list[str]]:
-    """Every rank's host key and hostname, read before any window is opened, so that every rank
-    decides the group's shape from the same table. Keys carry the restart attempt: a store
-    reused by a restarted job (torchrun --max-restarts) may still hold the last attempt's."""
+def rank_record(opts: Options) -> str:
+    """This rank's entry of the table below: host key, hostname, group-wide options (JSON)."""
+    shared = opts.group_wide()
+    shared["inter_host_engine"] = _resolved_engine(opts)
+    return "\n".join((_C.host_key(), _C.host_name(), json.dumps(shared)))
+
+
+def _rank_table(store, rank: int, size: int, opts: Options, timeout, where: str) -> tuple[list[str], list[str]]:
+    """Every rank's host key, hostname and group-wide options, read before any window is opened,
+    so that every rank decides the group's shape from the same table and every rank refuses a
+    group whose ranks disagree. Keys carry the restart attempt: a store reused by a restarted
+    job (torchrun --max-restarts) may still hold the last attempt's."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store.set(f"cam_host/{attempt}/{rank}", f"{_C.host_key()}\n{_C.host_name()}")
+    record = rank_record(opts)
+    mine = json.loads(record.split("\n", 2)[2])
+    store.set(f"cam_host/{attempt}/{rank}", record)
     keys = [f"cam_host/{attempt}/{r}" for r in range(size)]
     try:
         store.wait(keys, timeout)
@@ -41,8 +52,21 @@ def _host_table(store, rank: int, size: int, timeout, where: str) -> tuple[list[
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         raise RuntimeError(f"{where}: ranks {missing} did not publish their host within the group "
                            f"timeout ({timeout.total_seconds():.0f} s): {e}") from None
-    records = [v.decode().split("\n", 1) for v in store.multi_get(keys)]
-    return [r[0] for r in records], [r[1] if len(r) > 1 else r[0] for r in records]
+    records = [v.decode().split("\n", 2) for v in store.multi_get(keys)]
+    hosts = [r[0] for r in records]
+    spanning = len(set(hosts)) > 1
+    for r, record in enumerate(records):
+        theirs = json.loads(record[2]) if len(record) > 2 else {}
+        for name, value in mine.items():
+            if name == "inter_host_engine" and not spanning:
+                continue  # a group on one host has no use for it
+            if theirs.get(name) != value:
+                raise RuntimeError(
+                    f"{where}: rank {r} has {name}={theirs.get(name, '(not given: another torch_cam version?)')} "
+                    f"but this rank has {name}={value}; options that lay out the windows or choose an op's "
+                    f"algorithm ({', '.join(GROUP_WIDE)}) must be equal on every rank of a group "
+                    f"(give them alike through pg_options or TORCH_CAM_* on every rank)")
+    return hosts, [r[1] if len(r) > 1 else r[0] for r in records]
 
 
 def create_backend(dist_backend_opts, pg_options):
@@ -52,7 +76,7 @@ def create_backend(dist_backend_opts, pg_options):
     _C.set_trace_rank(dist.get_rank() if dist.is_initialized() else dist_backend_opts.group_rank)
     store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
     group_id, desc = str(dist_backend_opts.group_id), _describe_group(dist_backend_opts)
-    keys, names = _host_table(store, rank, size, dist_backend_opts.timeout,
+    keys, names = _rank_table(store, rank, size, opts, dist_backend_opts.timeout,
                               f"cam init of group {desc} on rank {rank}")
     if len(set(keys)) > 1:
         backend = _create_hierarchical(dist_backend_opts, opts, keys, names)
@@ -62,6 +86,14 @@ def create_backend(dist_backend_opts, pg_options):
                             group_id, desc)
     _backends[group_id] = backend
     return backend
+
+
+def _resolved_engine(opts: Options) -> str:
+    """What :func:`_inter_host_engine` picks, without raising: what ranks compare at init."""
+    try:
+        return _inter_host_engine(opts)
+    except RuntimeError:
+        return "ucx (absent from this build)"
 
 
 def _inter_host_engine(opts: Options) -> str:

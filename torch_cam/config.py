@@ -12,6 +12,13 @@ from typing import Any
 
 _ENV_PREFIX = "TORCH_CAM_"
 
+#: Options that shape every rank's window or decide which algorithm an op takes: all ranks of a
+#: group must hold the same values, and init compares them (a peer whose window is laid out
+#: otherwise would be misread, and ranks on two paths of one op would wait on each other until
+#: the timeout). The rest (waiting, logging, caches) may differ per rank.
+GROUP_WIDE = ("window_bytes", "p2p_fraction", "chunk_bytes", "single_copy_bytes", "tensor_heap_bytes",
+              "one_shot_max_bytes", "eager_max_bytes", "allreduce_algo", "inter_host_engine")
+
 
 @dataclasses.dataclass
 class Options:
@@ -91,6 +98,10 @@ class Options:
             return out
         raise TypeError(
             f"cam pg_options must be torch_cam.Options or a dict, got {type(pg_options).__name__}")
+
+    def group_wide(self) -> dict[str, str]:
+        """The :data:`GROUP_WIDE` options, as text: what every rank of a group must agree on."""
+        return {name: str(getattr(self, name)) for name in GROUP_WIDE}
 
     def to_native(self) -> dict[str, str]:
         return {f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
