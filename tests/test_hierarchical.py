@@ -208,6 +208,21 @@ def _frozen(rank, world, init_file, hosts):
     return _timed_raise(lambda: [dist.all_reduce(t) for _ in range(1000)])
 
 
+def _engine_differs(rank, world, init_file, hosts):
+    """Rank 2 asks for gloo between hosts where the others ask for UCX: every rank refuses the
+    group at init, naming the option (the two engines would never meet), rather than hang."""
+    import time
+    if rank == 2:
+        os.environ["TORCH_CAM_INTER_HOST_ENGINE"] = "gloo"
+    start = time.monotonic()
+    try:
+        _init(rank, world, init_file, hosts, timeout_s=30)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    dist.destroy_process_group()
+    return "no error", time.monotonic() - start
+
+
 class _HierarchicalCases:
     ENGINE = ""
 
@@ -349,6 +364,16 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
         self.assertIn("rank 3", msg)
         self.assertIn("UCX endpoint failed", msg)
         self.assertLess(took, 10.0, msg)
+
+    def test_ranks_ask_for_different_engines(self):
+        results = self.run_ranks(_engine_differs, 4, [0, 0, 1, 1], deadline_s=120)
+        for r, (status, (msg, took)) in sorted(results.items()):
+            self.assertEqual(status, "ok", msg)
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+            if r == 2:
+                self.assertIn("rank 0 has inter_host_engine=ucx but this rank has inter_host_engine=gloo", msg)
+            else:
+                self.assertIn("rank 2 has inter_host_engine=gloo but this rank has inter_host_engine=ucx", msg)
 
     def test_kv_dead_peer_on_another_host(self):
         before = set(cam_segments())
