@@ -123,6 +123,25 @@ def _options_per_rank(rank, world_size, init_file, env, subgroup_options):
     return (errors[0] if errors else "no error"), elapsed, sums
 
 
+def _window_hides_its_size(rank, world_size, init_file):
+    """Rank 1 makes an 8 MiB window but tells the group it has the default options, as a rank
+    built from another torch_cam might: the transport, not only the option check, must refuse
+    a peer window of another size before mapping it (a read past its end is SIGBUS)."""
+    import time
+    import torch_cam
+    if rank == 1:
+        os.environ["TORCH_CAM_WINDOW_BYTES"] = str(8 << 20)
+        record = torch_cam.backend.rank_record
+        torch_cam.backend.rank_record = lambda opts: record(torch_cam.Options())
+    start = time.monotonic()
+    try:
+        dist.init_process_group("cam", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=30))
+        return "no error", time.monotonic() - start
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+
+
 def _failed_rank_gone_before_peers_look(rank, world_size, init_file, port):
     import time
     import torch_cam  # noqa: F401
@@ -223,6 +242,17 @@ class GroupWideOptionsTest(unittest.TestCase):
         assert_all_ok(self, results)
         for r, (_, (msg, _, sums)) in results.items():
             self.assertEqual((msg, sums), ("no error", [[3.0], [3.0]]), f"rank {r}")
+
+    def test_transport_refuses_a_window_of_another_size(self):
+        before = set(cam_segments())
+        results = run_ranks(_window_hides_its_size, 2, deadline_s=90)
+        for r, (status, (msg, elapsed)) in sorted(results.items()):
+            self.assertEqual(status, "ok")
+            self.assertLess(elapsed, 10, f"rank {r}: {msg}")
+            # Either this rank found it, or the peer did first and this rank reports the peer's finding.
+            self.assertRegex(msg, rf"on rank {r}: (rank {1 - r} could not map the heap: .*)?rank \d's window is "
+                                  r"[\d.]+ MiB but this rank lays it out in [\d.]+ MiB; window options must be equal")
+        self.assertEqual(set(cam_segments()) - before, set())
 
     def test_every_window_larger_than_dev_shm(self):
         vfs = os.statvfs("/dev/shm")

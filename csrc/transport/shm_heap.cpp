@@ -286,6 +286,17 @@ void ShmHeap::rendezvous(const c10::intrusive_ptr<c10d::Store>& store, std::chro
       TORCH_CHECK(why.empty(), where_, ": rank ", r, " could not map the heap: ", why);
       TORCH_CHECK(false, where_, ": cannot open rank ", r, "'s window ", p.segment, ": ", std::strerror(err));
     }
+    // A peer window laid out otherwise (other window options, another torch_cam) would fault
+    // (SIGBUS) where this rank reads past its end: refuse it while it is still only a file.
+    struct stat st{};
+    const bool sized = fstat(fd, &st) == 0;
+    if (!sized || uint64_t(st.st_size) != uint64_t(layout_.total_bytes())) {
+      const int err = errno;
+      ::close(fd);
+      TORCH_CHECK(false, where_, ": rank ", r, "'s window is ", sized ? mib(double(st.st_size)) : std::strerror(err),
+                  " but this rank lays it out in ", mib(layout_.total_bytes()),
+                  "; window options must be equal on every rank of a group");
+    }
     void* ptr = mmap(nullptr, layout_.total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int err = errno;
     ::close(fd);
