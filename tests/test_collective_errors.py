@@ -69,28 +69,29 @@ class CamCollectiveErrorsTest(CamProcessGroupCase, MultiProcContinuousTest):
         self.assert_group_usable()
 
     def test_all_reduce_algorithm_mismatch(self):
-        # Options are per rank: a group whose ranks force different algorithms refuses all_reduce
-        # on every rank, and its other collectives still work.
-        algo = "one_shot" if self.rank == 2 else "two_shot"
-        g = dist.new_group([0, 1, 2], backend="cam", pg_options={"allreduce_algo": algo})
-        other = (r"rank 2 chose the (eager )?one-shot algorithm while this rank chose two-shot" if self.rank != 2
-                 else r"rank 0 chose the two-shot \(reduce-scatter \+ all-gather\) algorithm while this rank chose (eager )?one-shot")
-        with self.assertRaisesRegex(RuntimeError, self.prefix("all_reduce") + other +
-                                    r".*the all_reduce algorithm options must be the same on every rank"):
-            dist.all_reduce(torch.ones(5), group=g)
-        out = torch.empty(3)
-        dist.reduce_scatter_tensor(out, torch.arange(9.0), group=g)
-        self.assertEqual(out.tolist(), [3.0 * (3 * self.rank + k) for k in range(3)])
-        dist.destroy_process_group(g)
-        # Differing one_shot_max_bytes under auto: only sizes between the limits disagree.
-        g = dist.new_group([0, 1, 2], backend="cam", pg_options={"one_shot_max_bytes": 4096 * (1 + (self.rank == 0))})
-        t = torch.ones(1024)  # 4096 bytes: one-shot everywhere
-        dist.all_reduce(t, group=g)
-        self.assertTrue(torch.all(t == 3))
-        with self.assertRaisesRegex(RuntimeError, self.prefix("all_reduce") + r"rank \d chose the (eager one|one|two)-shot"):
-            dist.all_reduce(torch.ones(1500), group=g)
-        self.assert_group_usable(g)
-        dist.destroy_process_group(g)
+        # Options that choose an op's algorithm are group-wide: a group whose ranks force
+        # different all_reduce algorithms, or split one-shot from two-shot at different sizes,
+        # is refused at init on every rank, naming the option, the peer and both values (the
+        # per-op descriptor check behind it is never reached from Python), and the default
+        # group stays usable.
+        for option, mine, odd in (("allreduce_algo", "two_shot", "one_shot"),
+                                  ("one_shot_max_bytes", 4096, 8192)):
+            value = odd if self.rank == 2 else mine
+            peer, theirs = (0, mine) if self.rank == 2 else (2, odd)
+            with self.assertRaisesRegex(RuntimeError, r"cam init of group .* on rank %d: rank %d has %s=%s but this "
+                                                      r"rank has %s=%s; .*must be equal on every rank of a group"
+                                        % (self.rank, peer, option, theirs, option, value)):
+                dist.new_group([0, 1, 2], backend="cam", pg_options={option: value})
+            self.assert_group_usable()
+        # Forced alike on every rank, each algorithm gives the reference sum at sizes on both
+        # sides of the automatic limit.
+        for algo in ("one_shot", "two_shot"):
+            g = dist.new_group([0, 1, 2], backend="cam", pg_options={"allreduce_algo": algo})
+            for n in (5, 1500, 300_000):
+                t = torch.arange(n, dtype=torch.float32) + self.rank
+                dist.all_reduce(t, group=g)
+                self.assertEqual(t, 3 * torch.arange(n, dtype=torch.float32) + 3, msg=f"{algo}, {n} elements")
+            dist.destroy_process_group(g)
         self.assert_group_usable()
 
     def test_reduce_root_mismatch(self):
