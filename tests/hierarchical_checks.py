@@ -85,6 +85,27 @@ def check_all(rank: int, world: int) -> list[str]:
         expect(f"reduce_scatter_tensor n={n}", out, want)
         out = torch.empty(n); dist.reduce_scatter_tensor(out, torch.cat(my_rows), op=dist.ReduceOp.AVG)
         expect(f"reduce_scatter_tensor avg n={n}", out, want / world)
+        # uneven lists: rank r contributes n + 3r elements (all_gather), block d is n + 2d (reduce_scatter)
+        own = lambda r: n + 3 * r  # noqa: E731
+        outs = [torch.empty(own(r)) for r in range(world)]
+        dist.all_gather(outs, ints(own(rank), rank, 500 + salt))
+        expect(f"all_gather uneven n={n}", torch.cat(outs), torch.cat([ints(own(r), r, 500 + salt) for r in range(world)]))
+        blocks = [ints(n + 2 * d, rank, 600 + salt + d) for d in range(world)]
+        out = torch.empty(n + 2 * rank); dist.reduce_scatter(out, blocks)
+        expect(f"reduce_scatter uneven n={n}", out,
+               torch.stack([ints(n + 2 * rank, s, 600 + salt + rank) for s in range(world)]).sum(0))
+        out = torch.empty(n + 2 * rank); dist.reduce_scatter(out, blocks, op=dist.ReduceOp.MAX)
+        expect(f"reduce_scatter uneven max n={n}", out,
+               torch.stack([ints(n + 2 * rank, s, 600 + salt + rank) for s in range(world)]).amax(0))
+        # all_gather_coalesced: every rank's list of inputs of several shapes
+        shapes = [(n,), (2, 3), (1,)]
+        ins = [ints(int(torch.Size(sh).numel()), rank, 700 + salt + i).view(sh) for i, sh in enumerate(shapes)]
+        outs = [[torch.empty(sh) for sh in shapes] for _ in range(world)]
+        dist.all_gather_coalesced(outs, ins)
+        for r in range(world):
+            for i, sh in enumerate(shapes):
+                expect(f"all_gather_coalesced rank {r} input {i} n={n}", outs[r][i],
+                       ints(int(torch.Size(sh).numel()), r, 700 + salt + i).view(sh))
         # gather / scatter to and from the last rank
         root = world - 1
         outs = [torch.empty(n) for _ in range(world)] if rank == root else None
@@ -126,5 +147,8 @@ def check_all(rank: int, world: int) -> list[str]:
                 dist.send(mine * 2, peer, tag=peer)
             expect(f"send/recv {rank}<->{peer} n={n}", got, everyone[peer] * 2)
     dist.barrier()
+    import torch_cam
+    torch_cam.monitored_barrier(wait_all_ranks=True)
+    dist.monitored_barrier()
     dist.destroy_process_group(gloo)
     return bad

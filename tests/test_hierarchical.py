@@ -109,6 +109,44 @@ def _one_rank_bad_list(rank, world, init_file, hosts):
         dist.destroy_process_group()
 
 
+def _uneven_sizes_disagree(rank, world, init_file, hosts):
+    """Rank 3 (host 1) expects one element more from rank 0 in an uneven all_gather, and rank 1
+    (host 0) splits an uneven reduce_scatter otherwise: every rank raises fast, naming the sizes."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        sizes = [1 + r + (1 if rank == 3 and r == 0 else 0) for r in range(world)]
+        outs = [torch.empty(k) for k in sizes]
+        first = _timed_raise(lambda: dist.all_gather(outs, torch.ones(1 + rank)))
+        return first
+    finally:
+        dist.destroy_process_group()
+
+
+def _uneven_reduce_scatter_disagree(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        sizes = [2, 1, 3, 1] if rank == 1 else [1, 2, 3, 1]
+        return _timed_raise(lambda: dist.reduce_scatter(torch.empty(sizes[rank]), [torch.ones(k) for k in sizes]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _monitored_barrier_missing(rank, world, init_file, hosts):
+    """Ranks 1 (host 0) and 3 (host 1) never reach the monitored barrier: rank 0 names both,
+    rank 2 says that rank 0 did not release it; both within the barrier's timeout."""
+    import torch_cam
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        dist.barrier()
+        if rank in (1, 3):
+            time.sleep(4)
+            return ("absent", 0.0, "")
+        return _timed_raise(lambda: torch_cam.monitored_barrier(timeout=datetime.timedelta(seconds=2),
+                                                                wait_all_ranks=True))
+    finally:
+        dist.destroy_process_group()
+
+
 def _killed(rank, world, init_file, hosts):
     """Rank 3 (host 1) dies mid-job: every other rank raises well within the timeout."""
     _init(rank, world, init_file, hosts, timeout_s=60)
@@ -278,6 +316,34 @@ class _HierarchicalCases:
             self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
         self.assertIn("needs one list of 4 output tensors", results[1][1][2])
         self.assertIn("rank 1", results[0][1][2])
+
+    def test_uneven_sizes_that_disagree_raise_on_every_host(self):
+        for fn, what, odd in ((_uneven_sizes_disagree, "all_gather output sizes", 3),
+                              (_uneven_reduce_scatter_disagree, "reduce_scatter input sizes", 1)):
+            results = self.run_ranks(fn, 4, [0, 0, 1, 1], deadline_s=120)
+            assert_all_ok(self, results)
+            for r, (_, (how, took, msg)) in results.items():
+                self.assertEqual(how, "raised", f"rank {r}")
+                self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+                peer = 0 if r == odd else odd
+                self.assertRegex(msg, rf"on rank {r} of group .*: rank {peer} passes {what} \[[\d, ]+\] while this "
+                                      r"rank passes \[[\d, ]+\]; every rank must pass the same sizes")
+
+    def test_monitored_barrier_names_the_missing_ranks_on_every_host(self):
+        results = self.run_ranks(_monitored_barrier_missing, 4, [0, 0, 1, 1], deadline_s=120)
+        assert_all_ok(self, results)
+        how, took, msg = results[0][1]
+        self.assertEqual(how, "raised", msg)
+        self.assertRegex(msg, r"cam monitored_barrier \(seq \d+\) on rank 0 of group .*: timeout after 2000 ms waiting "
+                              r"for ranks \[1, 3\] to reach the barrier \(2 ranks have not arrived\): Ranks 1, 3 "
+                              r"failed to pass monitoredBarrier in 2000 ms")
+        self.assertGreaterEqual(took, 1.9)
+        self.assertLess(took, 6.0)
+        how, took, msg = results[2][1]
+        self.assertEqual(how, "raised", msg)
+        self.assertIn("Rank 2 successfully reached monitoredBarrier, but received errors while waiting for "
+                      "send/recv from rank 0", msg)
+        self.assertLess(took, 6.0)
 
     def test_split_mismatch_raises_on_every_host(self):
         if self.ENGINE == "gloo":

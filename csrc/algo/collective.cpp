@@ -157,28 +157,31 @@ bool MonitoredBarrierOp::step(Context& ctx) {
   return true;
 }
 
-std::string MonitoredBarrierOp::waiting_for() const {
-  if (my_rank_ > 0) {
-    return str("rank 0 to release the barrier (it does once every rank has arrived): Rank ", my_rank_,
+std::string monitored_barrier_waiting_for(int rank, const std::vector<int>& missing, bool wait_all_ranks,
+                                          int64_t timeout_ms) {
+  if (rank > 0) {
+    return str("rank 0 to release the barrier (it does once every rank has arrived): Rank ", rank,
                " successfully reached monitoredBarrier, but received errors while waiting for send/recv "
                "from rank 0");
   }
-  if (missing_.empty()) return Op::waiting_for();
   std::string ranks;
-  for (int r : missing_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  // Also in gloo's words, which tools and tests match on.
-  if (timeout_ms() == 0) {
-    return str("ranks [", ranks, "] to reach the barrier: Rank ", my_rank_,
-               " timed out in monitoredBarrier after 0 ms");
+  for (int r : missing) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (timeout_ms == 0) {
+    return str("ranks [", ranks, "] to reach the barrier: Rank ", rank, " timed out in monitoredBarrier after 0 ms");
   }
-  if (!wait_all_) {
-    return str("rank ", missing_[0], " to reach the barrier: Rank ", missing_[0],
-               " failed to pass monitoredBarrier in ", timeout_ms(), " ms");
+  if (!wait_all_ranks) {
+    return str("rank ", missing[0], " to reach the barrier: Rank ", missing[0], " failed to pass monitoredBarrier in ",
+               timeout_ms, " ms");
   }
-  return str("ranks [", ranks, "] to reach the barrier (", missing_.size(),
-             missing_.size() == 1 ? " rank has" : " ranks have", " not arrived): ",
-             missing_.size() == 1 ? "Rank " : "Ranks ", ranks, " failed to pass monitoredBarrier in ",
-             timeout_ms(), " ms");
+  return str("ranks [", ranks, "] to reach the barrier (", missing.size(),
+             missing.size() == 1 ? " rank has" : " ranks have", " not arrived): ",
+             missing.size() == 1 ? "Rank " : "Ranks ", ranks, " failed to pass monitoredBarrier in ", timeout_ms,
+             " ms");
+}
+
+std::string MonitoredBarrierOp::waiting_for() const {
+  if (my_rank_ <= 0 && missing_.empty()) return Op::waiting_for();
+  return monitored_barrier_waiting_for(my_rank_, missing_, wait_all_, timeout_ms());
 }
 
 }  // namespace cam

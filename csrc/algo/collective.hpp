@@ -107,6 +107,12 @@ class BarrierOp final : public CollectiveOp {
   }
 };
 
+// What a monitored_barrier that timed out on `rank` waited for, in gloo's words too (tools and
+// tests match on them): on rank 0 the ranks still `missing` (the first one unless
+// wait_all_ranks), on the others rank 0's release. Shared by every group kind's barrier.
+std::string monitored_barrier_waiting_for(int rank, const std::vector<int>& missing, bool wait_all_ranks,
+                                          int64_t timeout_ms);
+
 // monitored_barrier, arranged as gloo's: rank 0 waits for every rank's descriptor, then
 // releases the others (its produced[r] counters, unused by a barrier's data). A timeout on
 // rank 0 names the first rank that has not arrived (every one with wait_all_ranks); on the

@@ -233,11 +233,15 @@ void HierarchicalBackend::local_step(const c10::intrusive_ptr<c10d::Work>& w) co
   }
 }
 
+std::string HierarchicalBackend::published_failure() const {
+  if (!store_->check({kFailureKey})) return {};
+  const auto bytes = store_->get(kFailureKey);
+  return std::string(bytes.begin(), bytes.end());
+}
+
 void HierarchicalBackend::raise_published() const {
-  if (store_->check({kFailureKey})) {
-    const auto bytes = store_->get(kFailureKey);
-    throw FatalError("a rank of another host failed: " + std::string(bytes.begin(), bytes.end()));
-  }
+  const std::string why = published_failure();
+  if (!why.empty()) throw FatalError("a rank of another host failed: " + why);
 }
 
 void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) const {

@@ -87,6 +87,9 @@ class HierarchicalBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
@@ -112,6 +115,9 @@ class HierarchicalBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // As gloo's: rank 0 names the first rank that did not arrive within the timeout (every such
+  // rank with wait_all_ranks), the others that rank 0 did not release them.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -133,7 +139,8 @@ class HierarchicalBackend : public c10d::Backend {
   // store ends the wait.
   void local_step(const c10::intrusive_ptr<c10d::Work>& w) const;
   void inter_step(const c10::intrusive_ptr<c10d::Work>& w) const;
-  // Throws the failure a rank of another host published in the store, if any.
+  // The failure a rank published in the store ("" while there is none), and a throw of it.
+  std::string published_failure() const;
   void raise_published() const;
 
   // The compositions (hierarchical_collectives.cpp). Tensors are contiguous.
@@ -145,6 +152,12 @@ class HierarchicalBackend : public c10d::Backend {
   void exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host);
   void reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op);
   void barrier_all();
+  // Arrivals and the release travel through the group's store (a debugging op: no data, and
+  // a rank that never comes leaves nothing posted in any engine).
+  void monitored_barrier_all(std::chrono::milliseconds timeout, bool wait_all_ranks);
+  // Every rank's `sizes` (one per rank of the group: an uneven list's block sizes), checked
+  // equal to this rank's: padded ops would otherwise mix up blocks silently.
+  void check_same_sizes(const std::vector<int64_t>& sizes, const char* what);
   // One tensor's op from the user's arguments: checks, contiguity, AVG, the copy back.
   void allreduce_tensor(const at::Tensor& t, const c10d::ReduceOp& op, const char* name);
   void allgather_tensor(const at::Tensor& out, const at::Tensor& in);
@@ -180,6 +193,7 @@ class HierarchicalBackend : public c10d::Backend {
   std::deque<Task> queue_;
   bool stop_ = false;
   uint64_t seq_ = 0;
+  uint64_t monitored_seq_ = 0;  // worker thread only
   std::string fatal_;  // worker thread only
   std::thread worker_;
   std::once_flag shutdown_once_;

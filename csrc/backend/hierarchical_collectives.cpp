@@ -20,9 +20,17 @@
 //   reduce: local reduce, leaders reduce to the root's host, local broadcast there if the root
 //     is not its leader. barrier: local, leaders, local.
 //   gather, scatter, all_to_all: the inter-host backend over all ranks, directly.
+//   Uneven all_gather / reduce_scatter lists: every rank's list of sizes is gathered and
+//     checked alike, then the even op runs on blocks padded to the largest.
+//   monitored_barrier: arrivals and the release through the group's store.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <thread>
+
+#include "../algo/collective.hpp"
 #include "../core/errors.hpp"
+#include "../transport/wait_policy.hpp"
 #include "hierarchical_backend.hpp"
 #include "one_sided_backend.hpp"
 
@@ -256,11 +264,73 @@ void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Ten
   out.view(-1).copy_(block.narrow(0, int64_t(lr) * n, n));
 }
 
+void HierarchicalBackend::check_same_sizes(const std::vector<int64_t>& sizes, const char* what) {
+  at::Tensor mine = index_tensor(sizes);
+  at::Tensor table = scratch(int64_t(size_) * size_, mine.options());
+  gather_rows(mine, table.view({size_, size_}));
+  const int64_t* t = table.const_data_ptr<int64_t>();
+  auto text = [](const int64_t* v, int n) {
+    std::string s = "[";
+    for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+    return s + "]";
+  };
+  for (int g = 0; g < size_; ++g) {
+    TORCH_CHECK(std::equal(sizes.begin(), sizes.end(), t + int64_t(g) * size_), "rank ", g, " passes ", what, " ",
+                text(t + int64_t(g) * size_, size_), " while this rank passes ", text(sizes.data(), size_),
+                "; every rank must pass the same sizes");
+  }
+}
+
 void HierarchicalBackend::barrier_all() {
   const int ls = local_size();
   if (ls > 1) local_step(local_->barrier(c10d::BarrierOptions()));
   if (leader()) inter_step(inter_.leaders->barrier(c10d::BarrierOptions()));
   if (ls > 1) local_step(local_->barrier(c10d::BarrierOptions()));
+}
+
+void HierarchicalBackend::monitored_barrier_all(std::chrono::milliseconds timeout, bool wait_all_ranks) {
+  const std::string prefix = str("cam_monitored_barrier/", ++monitored_seq_, "/");
+  const auto deadline = Clock::now() + timeout;
+  // Each poll is a round trip to the store: sleep between polls, up to a liveness interval.
+  Backoff backoff(0, 0, local_->engine()->config().liveness_interval_ms * 1000);
+  auto forget = [this](const std::string& key) {
+    try {
+      store_->deleteKey(key);
+    } catch (const std::exception&) {
+      // Not every store deletes (FileStore): the key is left behind, never read again.
+    }
+  };
+  if (rank_ == 0) {
+    std::vector<int> missing;
+    for (int r = 1; r < size_; ++r) missing.push_back(r);
+    while (true) {
+      missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                   [&](int r) { return store_->check({prefix + std::to_string(r)}); }),
+                    missing.end());
+      if (missing.empty()) break;
+      TORCH_CHECK(Clock::now() < deadline, "timeout after ", timeout.count(), " ms waiting for ",
+                  monitored_barrier_waiting_for(0, missing, wait_all_ranks, timeout.count()));
+      raise_published();
+      backoff.pause();
+    }
+    store_->set(prefix + "release", std::vector<uint8_t>{1});
+    for (int r = 1; r < size_; ++r) forget(prefix + std::to_string(r));
+    return;
+  }
+  store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+  const std::string released = prefix + "release";
+  while (!store_->check({released})) {
+    const std::string waited = monitored_barrier_waiting_for(rank_, {}, wait_all_ranks, timeout.count());
+    const std::string why = published_failure();
+    TORCH_CHECK(why.empty(), "waited for ", waited, " (the group failed: ", why, ")");
+    TORCH_CHECK(Clock::now() < deadline, "timeout after ", timeout.count(), " ms waiting for ", waited);
+    backoff.pause();
+  }
+  // The last rank to leave removes the release.
+  if (store_->add(prefix + "left", 1) == size_ - 1) {
+    forget(released);
+    forget(prefix + "left");
+  }
 }
 
 // ---- the c10d entry points: one worker body each ----
@@ -365,13 +435,28 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather(std::vector<std::v
   return enqueue(c10d::OpType::ALLGATHER, "all_gather", result, [this, outputs, inputs] {
     const at::Tensor& in = the_one(inputs);
     const auto& outs = the_list(outputs, size_, "output");
-    for (int g = 0; g < size_; ++g)
-      TORCH_CHECK(outs[g].numel() == in.numel() && outs[g].scalar_type() == in.scalar_type(), "output ", g, " holds ",
-                  outs[g].numel(), " elements of ", outs[g].scalar_type(), ", expected ", in.numel(), " of ",
-                  in.scalar_type());
-    at::Tensor rows = scratch(int64_t(size_) * in.numel(), in.options());
-    allgather_tensor(rows, in);
-    for (int g = 0; g < size_; ++g) outs[g].copy_(rows.narrow(0, g * in.numel(), in.numel()).view(outs[g].sizes()));
+    TORCH_CHECK(outs[rank_].numel() == in.numel(), "output ", rank_, " (this rank's) holds ", outs[rank_].numel(),
+                " elements, expected the input's ", in.numel());
+    std::vector<int64_t> sizes(size_);
+    for (int g = 0; g < size_; ++g) {
+      TORCH_CHECK(outs[g].scalar_type() == in.scalar_type(), "output ", g, " is ", outs[g].scalar_type(),
+                  " but the input is ", in.scalar_type());
+      sizes[g] = outs[g].numel();
+    }
+    // Uneven (each rank contributes its own size, as Megatron's expert-tensor-parallel
+    // dispatcher does): blocks padded to the largest, after every rank agreed on the sizes.
+    const int64_t block = *std::max_element(sizes.begin(), sizes.end());
+    const bool even = block == in.numel() && std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n == block; });
+    if (!even) check_same_sizes(sizes, "all_gather output sizes");
+    at::Tensor mine = in.reshape({-1});
+    if (!even) {
+      mine = scratch(block, in.options());
+      mine.narrow(0, 0, in.numel()).copy_(in.reshape({-1}));
+      mine.narrow(0, in.numel(), block - in.numel()).zero_();
+    }
+    at::Tensor rows = scratch(int64_t(size_) * block, in.options());
+    allgather_tensor(rows, mine);
+    for (int g = 0; g < size_; ++g) outs[g].copy_(rows.narrow(0, g * block, sizes[g]).view(outs[g].sizes()));
   });
 }
 
@@ -379,6 +464,44 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::_allgather_base(at::Tensor& 
                                                                     const c10d::AllgatherOptions&) {
   return enqueue(c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {output},
                  [this, out = output, in = input] { allgather_tensor(out, in); });
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions&) {
+  std::vector<at::Tensor> result;
+  for (const auto& l : output_lists) result.insert(result.end(), l.begin(), l.end());
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "all_gather_coalesced", result, [this, output_lists, inputs] {
+    TORCH_CHECK(!inputs.empty(), "expected at least one input");
+    TORCH_CHECK(int(output_lists.size()) == size_, "expected ", size_, " output lists (one per rank), got ",
+                output_lists.size());
+    std::vector<at::Tensor> flat;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(inputs[i].scalar_type() == inputs[0].scalar_type(), "input ", i, " is ", inputs[i].scalar_type(),
+                  " but input 0 is ", inputs[0].scalar_type());
+      flat.push_back(inputs[i].reshape({-1}));
+    }
+    for (int g = 0; g < size_; ++g) {
+      TORCH_CHECK(output_lists[g].size() == inputs.size(), "output list ", g, " holds ", output_lists[g].size(),
+                  " tensors, expected ", inputs.size(), " (one per input)");
+      for (size_t i = 0; i < inputs.size(); ++i)
+        TORCH_CHECK(output_lists[g][i].numel() == inputs[i].numel() &&
+                        output_lists[g][i].scalar_type() == inputs[i].scalar_type(),
+                    "output ", i, " of rank ", g, " holds ", output_lists[g][i].numel(), " elements of ",
+                    output_lists[g][i].scalar_type(), ", expected ", inputs[i].numel(), " of ", inputs[i].scalar_type());
+    }
+    // Every rank's inputs back to back: one gather of rows of `total` elements.
+    at::Tensor mine = at::cat(flat);
+    const int64_t total = mine.numel();
+    at::Tensor rows = scratch(int64_t(size_) * total, mine.options());
+    allgather_tensor(rows, mine);
+    for (int g = 0; g < size_; ++g) {
+      int64_t off = int64_t(g) * total;
+      for (const auto& o : output_lists[g]) {
+        o.copy_(rows.narrow(0, off, o.numel()).view(o.sizes()));
+        off += o.numel();
+      }
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -397,14 +520,31 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter(std::vector<a
                  [this, outputs, inputs, op = opts.reduceOp] {
                    const at::Tensor& out = the_one(outputs);
                    const auto& ins = the_list(inputs, size_, "input");
-                   std::vector<at::Tensor> flat;
+                   TORCH_CHECK(ins[rank_].numel() == out.numel(), "input ", rank_, " (this rank's block) holds ",
+                               ins[rank_].numel(), " elements, expected the output's ", out.numel());
+                   std::vector<int64_t> sizes(size_);
                    for (int g = 0; g < size_; ++g) {
-                     TORCH_CHECK(ins[g].numel() == out.numel() && ins[g].scalar_type() == out.scalar_type(), "input ",
-                                 g, " holds ", ins[g].numel(), " elements of ", ins[g].scalar_type(), ", expected ",
-                                 out.numel(), " of ", out.scalar_type());
-                     flat.push_back(ins[g].reshape({-1}));
+                     TORCH_CHECK(ins[g].scalar_type() == out.scalar_type(), "input ", g, " is ", ins[g].scalar_type(),
+                                 " but the output is ", out.scalar_type());
+                     sizes[g] = ins[g].numel();
                    }
-                   reduce_scatter_tensor(out, at::cat(flat), op, "reduce_scatter");
+                   // Uneven blocks: padded to the largest after every rank agreed on the sizes.
+                   const int64_t block = *std::max_element(sizes.begin(), sizes.end());
+                   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n == block; });
+                   if (!even) check_same_sizes(sizes, "reduce_scatter input sizes");
+                   at::Tensor rows = at::empty({int64_t(size_) * block}, out.options());
+                   for (int g = 0; g < size_; ++g) {
+                     at::Tensor row = rows.narrow(0, g * block, block);
+                     row.narrow(0, 0, sizes[g]).copy_(ins[g].reshape({-1}));
+                     if (sizes[g] < block) row.narrow(0, sizes[g], block - sizes[g]).zero_();
+                   }
+                   if (even) {
+                     reduce_scatter_tensor(out, rows, op, "reduce_scatter");
+                     return;
+                   }
+                   at::Tensor mine = scratch(block, out.options());
+                   reduce_scatter_tensor(mine, rows, op, "reduce_scatter");
+                   out.copy_(mine.narrow(0, 0, out.numel()).view(out.sizes()));
                  });
 }
 
@@ -470,6 +610,14 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall(std::vector<at::Ten
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::barrier(const c10d::BarrierOptions&) {
   return enqueue(c10d::OpType::BARRIER, "barrier", {}, [this] { barrier_all(); });
+}
+
+void HierarchicalBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  // A zero timeout means "now" (gloo's semantics); an unset one, the group's.
+  const auto timeout = opts.timeout == c10d::kUnsetTimeout ? local_->engine()->config().timeout : opts.timeout;
+  enqueue(c10d::OpType::BARRIER, "monitored_barrier", {},
+          [this, timeout, wait_all_ranks] { monitored_barrier_all(timeout, wait_all_ranks); })
+      ->wait();
 }
 
 }  // namespace cam
