@@ -49,15 +49,16 @@ def check_moe(rank: int, world: int) -> list[str]:
     from test_moe import MoeCases
     from test_moe_buffer import BufferCases
 
-    assert isinstance(torch_cam.moe_hosts.moe_backend(dist.group.WORLD), torch_cam.moe_hosts.HostsMoe)
+    moe = torch_cam.moe_hosts.moe_backend(dist.group.WORLD)  # held: the inline room set below sticks
+    assert isinstance(moe, torch_cam.moe_hosts.HostsMoe)
     bad = []
     # Counts past the room in the header exchange take a second all-gather: run a few cases so.
-    room = torch_cam.moe_hosts._INLINE_INTS
+    room = moe.inline_ints
     runs = ((MoeCases, MOE_CASES, room), (BufferCases, BUFFER_CASES, room),
             (MoeCases, ("test_dispatch_combine_basic", "test_many_local_experts_and_empty_experts",
                         "test_invalid_inputs_fail_everywhere"), 2))
     for cls, names, inline in runs:
-        torch_cam.moe_hosts._INLINE_INTS = inline
+        moe.inline_ints = inline
         case = _on_world(cls)
         for name in names:
             if name == "test_invalid_inputs_fail_everywhere" and world % 3 == 0:
@@ -70,7 +71,7 @@ def check_moe(rank: int, world: int) -> list[str]:
             took = time.monotonic() - start
             if rank == 0:
                 print(f"moe across hosts: {name} {took:.2f} s", flush=True)
-    torch_cam.moe_hosts._INLINE_INTS = room
+    moe.inline_ints = room
     return bad
 
 

@@ -8,6 +8,7 @@
 
 #include "../../kernels/reduce.hpp"
 #include "../core/errors.hpp"
+#include "../runtime/done_work.hpp"
 #include "cam_backend.hpp"
 
 namespace cam {
@@ -22,28 +23,6 @@ struct Descriptor {
   uint32_t pad;
 };
 static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes <= OneSidedTransport::kSlotBytes);
-
-// An op that finished on the calling thread.
-class DoneWork : public c10d::Work {
- public:
-  DoneWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-      : Work(rank, type),
-        future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(outputs));
-    finish();
-  }
-  bool isCompleted() override { return true; }
-  bool isSuccess() const override { return true; }
-  bool wait(std::chrono::milliseconds) override { return true; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  c10::intrusive_ptr<at::ivalue::Future> future_;
-};
-
-c10::intrusive_ptr<c10d::Work> done(int rank, c10d::OpType type, std::vector<at::Tensor> outputs) {
-  return c10::make_intrusive<DoneWork>(rank, type, std::move(outputs));
-}
 
 void check_dense(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
@@ -220,7 +199,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::allreduce(std::vector<at::Tensor
     ++seq_;
     allreduce_one(t, opts.reduceOp);
   }
-  return done(rank_, c10d::OpType::ALLREDUCE, tensors);
+  return done_work(rank_, c10d::OpType::ALLREDUCE, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -245,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   }
   exchange(what, &t, sends, recvs);
   if (rank_ == root) kernels::reduce(t.scalar_type(), red, t.data_ptr(), srcs.data(), size_, t.numel(), size_);
-  return done(rank_, c10d::OpType::REDUCE, tensors);
+  return done_work(rank_, c10d::OpType::REDUCE, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -261,7 +240,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor
     if (rank_ != root) recvs[root] = Block{true, t.data_ptr(), t.nbytes()};
     exchange(op_name("broadcast"), &t, sends, recvs);
   }
-  return done(rank_, c10d::OpType::BROADCAST, tensors);
+  return done_work(rank_, c10d::OpType::BROADCAST, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -296,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output
               " bytes and expects ", recvs[rank_].bytes);
   exchange(what, &input, sends, recvs);
   if (sends[rank_].bytes) std::memcpy(recvs[rank_].ptr, sends[rank_].ptr, sends[rank_].bytes);
-  return done(rank_, c10d::OpType::ALLTOALL_BASE, {output});
+  return done_work(rank_, c10d::OpType::ALLTOALL_BASE, {output});
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -320,7 +299,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall(std::vector<at::Tensor>
     outputs[p].copy_(out.narrow(0, off, outputs[p].numel()).view_as(outputs[p]));
     off += outputs[p].numel();
   }
-  return done(rank_, c10d::OpType::ALLTOALL, outputs);
+  return done_work(rank_, c10d::OpType::ALLTOALL, outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -339,7 +318,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& outp
   // An input that already is this rank's row of the output (an in-place all_gather) stays.
   if (input.nbytes() && recvs[rank_].ptr != input.data_ptr())
     std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
-  return done(rank_, c10d::OpType::_ALLGATHER_BASE, {output});
+  return done_work(rank_, c10d::OpType::_ALLGATHER_BASE, {output});
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -355,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::_reduce_scatter_base(at::Tensor&
   std::vector<int64_t> off(size_ + 1);
   for (int p = 0; p <= size_; ++p) off[p] = int64_t(p) * n;
   reduce_blocks(what, input, off, opts.reduceOp, output.data_ptr());
-  return done(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, {output});
+  return done_work(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, {output});
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -382,7 +361,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<a
     for (int p = 0; p < size_; ++p)
       if (!dense[p].is_same(outputs[0][p])) outputs[0][p].copy_(dense[p]);
   }
-  return done(rank_, c10d::OpType::GATHER, rank_ == root ? outputs[0] : std::vector<at::Tensor>{});
+  return done_work(rank_, c10d::OpType::GATHER, rank_ == root ? outputs[0] : std::vector<at::Tensor>{});
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -412,14 +391,14 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>&
   exchange(op_name("scatter"), &flat, sends, recvs);
   if (rank_ == root) out.copy_(inputs[0][rank_].view_as(out));
   if (!out.is_same(outputs[0])) outputs[0].copy_(out);
-  return done(rank_, c10d::OpType::SCATTER, outputs);
+  return done_work(rank_, c10d::OpType::SCATTER, outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::barrier(const c10d::BarrierOptions&) {
   ++seq_;
   std::vector<Block> all(size_, Block{true, nullptr, 0});
   exchange(op_name("barrier"), nullptr, all, all);
-  return done(rank_, c10d::OpType::BARRIER, {});
+  return done_work(rank_, c10d::OpType::BARRIER, {});
 }
 
 }  // namespace cam

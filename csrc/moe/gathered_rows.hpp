@@ -1,4 +1,4 @@
-// Row loops of MoE dispatch and combine on groups that span hosts (torch_cam/moe_hosts.py):
+// Row loops of MoE dispatch and combine on groups that span hosts (hosts_moe.hpp):
 // there the rows arrive in one local buffer (an all_to_all of packed rows), and these loops do
 // what the single-host ops do inside their pull, with the same kernels (kernels/moe_rows.hpp),
 // so both paths give the same bits.

@@ -1,0 +1,677 @@
+#include "hosts_moe.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <optional>
+
+#include "../core/errors.hpp"
+#include "gathered_rows.hpp"
+
+namespace cam::moe {
+namespace {
+
+// The first argument error of this rank's call, checked before anything is exchanged. A check
+// after the first error is not evaluated (it may read shapes an earlier check found wrong).
+class FirstError {
+ public:
+  template <class Cond, class Msg>
+  bool need(Cond&& cond, Msg&& what) {
+    if (!error.empty()) return false;
+    if (cond()) return true;
+    error = what();
+    return false;
+  }
+  bool tensor(const at::Tensor& t, const char* name, std::optional<at::ScalarType> dtype, int64_t dim,
+              bool required = true) {
+    if (!t.defined()) {
+      return need([&] { return !required; }, [&] { return cam::str(name, " must be given"); });
+    }
+    if (!need([&] { return t.device().is_cpu() && t.layout() == at::kStrided; },
+              [&] { return cam::str(name, " must be a dense CPU tensor, got one on ", t.device()); })) {
+      return false;
+    }
+    return need([&] { return (!dtype || t.scalar_type() == *dtype) && t.dim() == dim && t.is_contiguous(); },
+                [&] {
+                  return cam::str(name, " must be a contiguous CPU ", dtype ? c10::toString(*dtype) : "tensor", " of ", dim,
+                             " dimension(s), got ", t.scalar_type(), " of shape ", t.sizes(),
+                             t.is_contiguous() ? "" : " (not contiguous)");
+                });
+  }
+  bool ok() const { return error.empty(); }
+  std::string error;
+};
+
+bool is_float_rows(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+std::string dtype_name(int64_t code) {
+  return code >= 0 && code < int64_t(at::ScalarType::NumOptions) ? c10::toString(at::ScalarType(code))
+                                                                  : cam::str("dtype #", code);
+}
+
+// The shared-expert chunk of rank r's T tokens that goes to shared rank c of S (the rotation of
+// dispatch.cpp, which balances the remainder over the shared ranks).
+int64_t shared_lo(int64_t r, int64_t c, int64_t T, int64_t S) { return (c + r) * T / S - r * T / S; }
+
+// (n, k) uint8 view of a contiguous tensor's n rows.
+at::Tensor row_bytes(const at::Tensor& t) {
+  int64_t per_row = int64_t(t.element_size());
+  for (int64_t d = 1; d < t.dim(); ++d) per_row *= t.size(d);
+  return t.view(-1).view(at::kByte).view({t.size(0), per_row});
+}
+
+at::Tensor positions(const std::vector<int64_t>& pos) {
+  return at::from_blob(const_cast<int64_t*>(pos.data()), {int64_t(pos.size())}, at::kLong);
+}
+
+// Routing header fields (HostsMoe::Header).
+enum DispatchField {
+  kTokens, kTopK, kExperts, kWidth, kAuxBytes, kMaxTokens, kCapacity, kSlab, kShared, kPerRank, kQuant,
+  kHasWeights, kDtype, kHidden, kPrequant, kBadKind, kBadToken, kBadSlot, kBadValue
+};
+enum CombineField { kRows, kCombineHidden, kSegments, kCombineDtype, kCombineQuant };
+
+}  // namespace
+
+HostsMoe::HostsMoe(c10::intrusive_ptr<c10d::Backend> group, int rank, int size)
+    : group_(std::move(group)), rank_(rank), size_(size) {
+  TORCH_CHECK(group_, "cam moe: HostsMoe needs the group's backend");
+}
+
+void HostsMoe::set_inline_ints(int64_t n) {
+  TORCH_CHECK(n >= 0, "cam moe: inline_ints must be >= 0, got ", n);
+  inline_ints_ = n;
+}
+
+at::Tensor HostsMoe::all_gather(const std::string& op, const at::Tensor& mine) {
+  at::Tensor every = at::empty({int64_t(size_) * mine.numel()}, mine.options());
+  try {
+    at::Tensor in = mine;
+    group_->_allgather_base(every, in, c10d::AllgatherOptions())->wait();
+  } catch (const std::exception& e) {  // a peer or the group failed: say which op of this rank saw it
+    TORCH_CHECK(false, "cam ", op, " on rank ", rank_, ": ", e.what());
+  }
+  return every;
+}
+
+at::Tensor HostsMoe::exchange_rows(const std::string& op, const at::Tensor& send, const std::vector<int64_t>& send_rows,
+                                   const std::vector<int64_t>& recv_rows, int64_t width) {
+  const int64_t total = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t(0));
+  at::Tensor recv = at::empty({total * width}, at::kByte);
+  std::vector<int64_t> out_splits(size_), in_splits(size_);
+  for (int p = 0; p < size_; ++p) {
+    out_splits[p] = recv_rows[p] * width;
+    in_splits[p] = send_rows[p] * width;
+  }
+  try {
+    at::Tensor in = send.view(-1);
+    group_->alltoall_base(recv, in, out_splits, in_splits, c10d::AllToAllOptions())->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "cam ", op, " on rank ", rank_, ": ", e.what());
+  }
+  return recv.view({total, width});
+}
+
+HostsMoe::Agreed HostsMoe::agree(const std::string& op, const Header& header, const std::string& error,
+                                 const std::vector<int64_t>& extra) {
+  // Record: [refusal text | text bytes, extra length, header, inline extra] (int64 after the text).
+  const int64_t ints = 2 + kHeaderInts + inline_ints_;
+  const int64_t record = kErrorBytes + 8 * ints;
+  at::Tensor mine = at::zeros({record}, at::kByte);
+  uint8_t* m = mine.data_ptr<uint8_t>();
+  const int64_t text = std::min<int64_t>(int64_t(error.size()), kErrorBytes);
+  std::memcpy(m, error.data(), size_t(text));
+  auto* mi = reinterpret_cast<int64_t*>(m + kErrorBytes);
+  mi[0] = text;
+  mi[1] = int64_t(extra.size());
+  std::copy(header.begin(), header.end(), mi + 2);
+  const bool inline_extra = int64_t(extra.size()) <= inline_ints_;
+  if (inline_extra) std::copy(extra.begin(), extra.end(), mi + 2 + kHeaderInts);
+  at::Tensor every = all_gather(op, mine);
+  const uint8_t* e = every.data_ptr<uint8_t>();
+  auto ints_of = [&](int r) { return reinterpret_cast<const int64_t*>(e + r * record + kErrorBytes); };
+  for (int i = 0; i < size_; ++i) {
+    const int r = i == 0 ? rank_ : (i <= rank_ ? i - 1 : i);  // this rank's own reason first
+    const int64_t n = ints_of(r)[0];
+    if (n == 0) continue;
+    const std::string why(reinterpret_cast<const char*>(e + r * record), size_t(n));
+    TORCH_CHECK(false, "cam ", op, " on rank ", rank_, ": ", r == rank_ ? "" : cam::str("rank ", r, " refused its arguments: "),
+                why);
+  }
+  Agreed g;
+  int64_t longest = 0;
+  for (int r = 0; r < size_; ++r) {
+    Header h;
+    std::copy(ints_of(r) + 2, ints_of(r) + 2 + kHeaderInts, h.begin());
+    g.heads.push_back(h);
+    longest = std::max(longest, ints_of(r)[1]);
+  }
+  g.extras.assign(size_, std::vector<int64_t>(size_t(longest), 0));
+  if (longest <= inline_ints_) {
+    for (int r = 0; r < size_; ++r) std::copy(ints_of(r) + 2 + kHeaderInts, ints_of(r) + 2 + kHeaderInts + longest,
+                                              g.extras[r].begin());
+    return g;
+  }
+  at::Tensor padded = at::zeros({longest}, at::kLong);
+  std::copy(extra.begin(), extra.end(), padded.data_ptr<int64_t>());
+  at::Tensor all = all_gather(op, padded);
+  const int64_t* a = all.data_ptr<int64_t>();
+  for (int r = 0; r < size_; ++r) std::copy(a + r * longest, a + (r + 1) * longest, g.extras[r].begin());
+  return g;
+}
+
+void HostsMoe::refuse(const std::string& kind, const std::string& op, const std::string& reason) {
+  TORCH_CHECK(kind == "moe_dispatch" || kind == "moe_combine", "HostsMoe.refuse: '", kind,
+              "' is not an MoE op (use all_gather_counts)");
+  TORCH_CHECK(!reason.empty(), "HostsMoe.refuse: give the reason");
+  agree(op, Header{}, reason, {});
+  TORCH_CHECK(false, "unreachable: a refusal raises");
+}
+
+at::Tensor HostsMoe::all_gather_counts(const std::string& op, const at::Tensor& counts, const std::string& reason) {
+  std::vector<int64_t> mine(size_t(size_), 0);
+  if (counts.defined()) {
+    at::Tensor c = counts.reshape(-1).to(at::kLong).contiguous();
+    mine.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  }
+  Agreed g = agree(op, Header{}, reason, mine);
+  const int64_t n = g.extras.empty() ? 0 : int64_t(g.extras[0].size());
+  at::Tensor out = at::empty({size_, n}, at::kInt);
+  int32_t* o = out.data_ptr<int32_t>();
+  for (int r = 0; r < size_; ++r)
+    for (int64_t i = 0; i < n; ++i) o[r * n + i] = int32_t(g.extras[r][i]);
+  return out;
+}
+
+// ---- dispatch --------------------------------------------------------------------------------
+
+void HostsMoe::check_dispatch_headers(const std::vector<Header>& heads) const {
+  const Header& me = heads[rank_];
+  const std::string where = cam::str("cam moe_dispatch on rank ", rank_);
+  auto who = [&](int r) { return r == rank_ ? std::string("this rank") : cam::str("rank ", r); };
+  static const std::pair<int, const char*> kSame[] = {
+      {kExperts, "moe_expert_num (routed expert ids)"},
+      {kTopK, "top-k (expert_ids.size(1))"},
+      {kShared, "shared_expert_rank_num"},
+      {kPerRank, "experts per rank"},
+      {kHidden, "hidden size (x.size(1))"},
+      {kWidth, "bytes per token row"},
+      {kAuxBytes, "bytes of per-token side data"},
+      {kHasWeights, "routing weights given (expert_scales)"},
+      {kMaxTokens, "max tokens per rank (global_bs / ep_world_size)"},
+      {kPrequant, "int8 rows quantized by the sender (quantization without smooth scales)"}};
+  for (int r = 0; r < size_; ++r) {
+    const Header& p = heads[r];
+    for (const auto& [i, what] : kSame) {
+      TORCH_CHECK(p[i] == me[i], where, ": rank ", r, " dispatches with ", what, " = ", p[i], " while this rank uses ",
+                  me[i], "; every rank of the EP group must pass the same value");
+    }
+    TORCH_CHECK(p[kQuant] == me[kQuant], where, ": rank ", r, " dispatches with quant_mode = ", 2 * p[kQuant],
+                " while this rank uses ", 2 * me[kQuant], "; every rank of the EP group must pass the same value");
+    TORCH_CHECK(p[kDtype] == me[kDtype], where, ": rank ", r, " dispatches ", dtype_name(p[kDtype]),
+                " tokens while this rank dispatches ", dtype_name(me[kDtype]));
+    TORCH_CHECK(me[kMaxTokens] != 0 || p[kTokens] == me[kTokens], where, ": ", who(r), " has ", p[kTokens],
+                " tokens while this rank has ", me[kTokens],
+                "; ranks with different batch sizes must pass global_bs = max tokens per rank * ep_world_size");
+    TORCH_CHECK(p[kMaxTokens] <= 0 || p[kTokens] <= p[kMaxTokens], where, ": ", who(r), " has ", p[kTokens],
+                " tokens, more than the ", p[kMaxTokens],
+                " per rank the outputs are sized for (global_bs / ep_world_size, or num_max_dispatch_tokens_per_rank)");
+    if (p[kBadKind] != 0) {
+      TORCH_CHECK(false, where, ": ", who(r), ": expert_ids[", p[kBadToken], ", ", p[kBadSlot], "] = ", p[kBadValue],
+                  p[kBadKind] == 1 ? cam::str(" is out of range; expected an expert id in [0, ", p[kExperts], ")")
+                                   : std::string(" repeats an expert already chosen earlier in that token's row; each "
+                                                 "token's expert ids must be distinct"));
+    }
+  }
+}
+
+void HostsMoe::check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) const {
+  const std::string where = cam::str("cam moe_dispatch on rank ", rank_);
+  const int64_t slab = g.heads[rank_][kSlab];
+  for (int d = 0; d < size_; ++d) {
+    int64_t total = 0;
+    if (d < S) {
+      for (int r = 0; r < size_; ++r) total += g.extras[r][M + d];
+    } else {
+      for (int64_t j = 0; j < L; ++j) {
+        int64_t per = 0;
+        for (int r = 0; r < size_; ++r) per += g.extras[r][(d - S) * L + j];
+        TORCH_CHECK(slab <= 0 || per <= slab, where, ": expert ", (d - S) * L + j, " on rank ", d, " receives ", per,
+                    " rows but its slab holds ", slab, " (num_max_dispatch_tokens_per_rank * num_ranks)");
+        total += per;
+      }
+    }
+    const int64_t cap = g.heads[d][kCapacity];
+    TORCH_CHECK(total <= cap, where, ": ", d == rank_ ? std::string("this rank") : cam::str("rank ", d), " would receive ",
+                total, " rows but its output holds ", cap,
+                " (sized from global_bs and the expert layout); pass a global_bs that bounds every rank's tokens");
+  }
+}
+
+void HostsMoe::dispatch(const MoeDispatchArgs& a) {
+  const int W = size_, me = rank_;
+  const int64_t M = a.num_experts, S = a.shared_ranks, L = a.experts_per_rank;
+  FirstError c;
+  c.tensor(a.rows, "token rows", std::nullopt, 2);
+  c.tensor(a.ids, "routing ids", at::kInt, 2);
+  c.tensor(a.weights, "routing weights", at::kFloat, 2, false);
+  c.tensor(a.aux, "per-token side data", at::kByte, 2, false);
+  c.tensor(a.token_active, "token activity", at::kBool, 1);
+  c.tensor(a.out_rows, "expand_x", std::nullopt, 2);
+  c.tensor(a.out_counts, "ep_recv_counts", at::kInt, 1);
+  c.tensor(a.out_weights, "expand_scales", at::kFloat, 1, false);
+  c.tensor(a.out_info, "row info", at::kInt, 1, false);
+  c.tensor(a.out_aux, "received side data", at::kByte, 2, false);
+  c.tensor(a.out_occurrence, "expand_idx", at::kInt, 1, false);
+  c.need([&] { return M >= 1 && L >= 1 && 0 <= S && S < W && M == (W - S) * L; },
+         [] { return std::string("invalid expert layout"); });
+  const bool prequant = a.quant && !a.smooth.defined();
+  int64_t T = 0, K = 0, H = 0, cap = 0, width = 0;
+  const int64_t aux_bytes = a.aux.defined() && a.aux.dim() == 2 ? a.aux.size(1) : 0;
+  if (c.ok()) {
+    T = a.rows.size(0);
+    H = a.rows.size(1);
+    K = a.ids.size(1);
+    cap = a.out_rows.size(0);
+    width = H * int64_t(a.rows.element_size());
+    auto msg = [](const char* m) { return [m] { return std::string(m); }; };
+    c.need([&] { return a.ids.size(0) == T; }, msg("routing ids must have one row per token"));
+    c.need([&] { return !a.weights.defined() || a.weights.sizes() == a.ids.sizes(); },
+           msg("routing weights must have the ids' shape"));
+    c.need([&] { return !a.aux.defined() || a.aux.size(0) == T; },
+           msg("per-token side data must have one row per token"));
+    c.need([&] { return a.token_active.size(0) == T; }, msg("token activity must have one entry per token"));
+    if (a.quant) {
+      c.need([&] { return is_float_rows(a.rows.scalar_type()); }, [&] {
+        return cam::str("int8 quantization takes float32, bfloat16 or float16 tokens, got ", a.rows.scalar_type());
+      });
+      c.need([&] { return a.out_rows.scalar_type() == at::kChar && a.out_rows.size(1) == H; },
+             msg("expand_x must be int8 of x's hidden size"));
+      if (c.tensor(a.out_scales, "dynamic_scales", at::kFloat, 1))
+        c.need([&] { return a.out_scales.size(0) >= cap; }, msg("dynamic_scales must cover expand_x"));
+      if (a.smooth.defined() && c.tensor(a.smooth, "scales", at::kFloat, 2)) {
+        c.need([&] { return a.smooth.size(1) == H; }, msg("scales must have x's hidden size"));
+        c.need([&] { return a.smooth.size(0) > M - 1 + a.smooth_shift; }, [&] {
+          return cam::str("scales must have a row per expert (", M + a.smooth_shift, " rows), got ", a.smooth.size(0));
+        });
+      }
+    } else {
+      c.need([&] { return a.out_rows.scalar_type() == a.rows.scalar_type() && a.out_rows.size(1) == H; },
+             msg("expand_x must be a contiguous tensor of x's dtype and hidden size"));
+    }
+    c.need([&] { return !a.out_weights.defined() || a.out_weights.size(0) >= cap; },
+           msg("expand_scales must cover expand_x"));
+    c.need([&] { return !a.out_info.defined() || (a.info_stride >= 3 && a.out_info.size(0) >= cap * a.info_stride); },
+           msg("row info must hold info_stride (>= 3) ints per row"));
+    c.need([&] {
+      return !a.out_aux.defined() || (a.aux.defined() && a.out_aux.size(0) >= cap && a.out_aux.size(1) == aux_bytes);
+    }, msg("received side data must have one row of the side data's width per output row"));
+    c.need([&] { return !a.out_occurrence.defined() || a.out_occurrence.numel() == a.ids.numel(); },
+           msg("expand_idx must have one entry per routing slot"));
+    const int64_t local = me < S ? W : W * L;
+    c.need([&] { return a.out_counts.size(0) >= local; },
+           [&] { return cam::str("ep_recv_counts must hold ", local, " entries"); });
+  }
+
+  // Header and counts (rows per expert, then per shared-expert rank).
+  Header header{};
+  std::vector<int64_t> counts;
+  const int32_t* ids = c.ok() ? a.ids.data_ptr<int32_t>() : nullptr;
+  const bool* active = c.ok() ? a.token_active.data_ptr<bool>() : nullptr;
+  if (c.ok()) {
+    int64_t bad_kind = 0, bad_t = 0, bad_k = 0, bad_value = 0;
+    for (int64_t t = 0; t < T && bad_kind == 0; ++t) {
+      for (int64_t k = 0; k < K && bad_kind == 0; ++k) {
+        const int32_t e = ids[t * K + k];
+        if (e == -1) continue;
+        if (e < 0 || e >= M) {
+          bad_kind = 1;
+        } else {
+          for (int64_t k2 = 0; k2 < k; ++k2)
+            if (ids[t * K + k2] == e) bad_kind = 2;
+        }
+        if (bad_kind) bad_t = t, bad_k = k, bad_value = e;
+      }
+    }
+    header = {T, K, M, width, aux_bytes, a.max_tokens, cap, a.slab_rows, S, L, int64_t(a.quant),
+              int64_t(a.weights.defined()), int64_t(a.rows.scalar_type()), H, int64_t(prequant), bad_kind, bad_t,
+              bad_k, bad_value};
+    counts.assign(size_t(M + S), 0);
+    for (int64_t i = 0; i < T * K; ++i)
+      if (ids[i] >= 0 && ids[i] < M) ++counts[ids[i]];
+    for (int64_t d = 0; d < S; ++d) {
+      const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
+      if (me != d && me < S) continue;
+      for (int64_t t = lo; t < hi; ++t) counts[M + d] += active[t];
+    }
+  }
+  const Agreed g = agree("moe_dispatch", header, c.error, counts);
+  check_dispatch_headers(g.heads);
+  check_capacity(g, M, S, L);
+
+  // The rows this rank sends, in destination order: each shared rank's chunk of active tokens,
+  // then the routed entries grouped by expert, (token, slot) order within an expert.
+  struct Sent {
+    int32_t token, slot;
+  };
+  std::vector<Sent> sent;
+  std::vector<int64_t> send_rows(W, 0);
+  for (int64_t d = 0; d < S; ++d) {
+    if (me != d && me < S) continue;
+    const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
+    for (int64_t t = lo; t < hi; ++t)
+      if (active[t]) sent.push_back({int32_t(t), -1});
+    send_rows[d] = counts[M + d];
+  }
+  std::vector<int64_t> fill(size_t(M + 1), 0);
+  for (int64_t e = 0; e < M; ++e) fill[e + 1] = fill[e] + counts[e];
+  const size_t routed_at = sent.size();
+  sent.resize(routed_at + size_t(fill[M]));
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int32_t e = ids[i];
+    if (e >= 0 && e < M) sent[routed_at + size_t(fill[e]++)] = {int32_t(i / K), int32_t(i % K)};
+  }
+  for (int64_t e = 0; e < M; ++e) send_rows[S + e / L] += counts[e];
+
+  // One record per row: the row (or int8 + scale), side data, weight, token and slot.
+  const bool has_w = a.weights.defined();
+  const int64_t row_len = prequant ? H + 4 : width;
+  const int64_t rec = row_len + aux_bytes + (has_w ? 4 : 0) + 8;
+  at::Tensor q, q_scales;
+  if (prequant) {
+    q = at::empty({T, H}, at::kChar);
+    q_scales = at::empty({T}, at::kFloat);
+    quantize_rows(a.rows, at::Tensor(), at::Tensor(), q, q_scales);
+  }
+  at::Tensor send = at::empty({int64_t(sent.size()), rec}, at::kByte);
+  {
+    uint8_t* s = send.data_ptr<uint8_t>();
+    const char* rows = static_cast<const char*>(a.rows.data_ptr());
+    const float* w = has_w ? a.weights.data_ptr<float>() : nullptr;
+    const uint8_t* aux = aux_bytes ? a.aux.data_ptr<uint8_t>() : nullptr;
+    for (const Sent& r : sent) {
+      uint8_t* o = s;
+      if (prequant) {
+        std::memcpy(o, q.data_ptr<int8_t>() + r.token * H, size_t(H));
+        std::memcpy(o + H, q_scales.data_ptr<float>() + r.token, 4);
+      } else {
+        std::memcpy(o, rows + r.token * width, size_t(width));
+      }
+      o += row_len;
+      if (aux_bytes) std::memcpy(o, aux + r.token * aux_bytes, size_t(aux_bytes)), o += aux_bytes;
+      if (has_w) {
+        const float v = r.slot >= 0 ? w[r.token * K + r.slot] : 0.0f;
+        std::memcpy(o, &v, 4);
+        o += 4;
+      }
+      std::memcpy(o, &r, 8);
+      s += rec;
+    }
+  }
+  std::vector<int64_t> recv_rows(W, 0);
+  for (int p = 0; p < W; ++p) {
+    if (me < S) {
+      recv_rows[p] = g.extras[p][M + me];
+    } else {
+      for (int64_t j = 0; j < L; ++j) recv_rows[p] += g.extras[p][(me - S) * L + j];
+    }
+  }
+  const at::Tensor recv = exchange_rows("moe_dispatch", send, send_rows, recv_rows, rec);
+
+  // Where each received row goes (a source's rows arrive in expert order), and ep_recv_counts.
+  const int64_t n = recv.size(0);
+  std::vector<int64_t> pos(static_cast<size_t>(n)), src(static_cast<size_t>(n)), smooth_row(static_cast<size_t>(n), 0);
+  int32_t* out_counts = a.out_counts.data_ptr<int32_t>();
+  if (me < S) {
+    std::iota(pos.begin(), pos.end(), int64_t(0));
+    for (int64_t ch = 0; ch < S; ++ch) {
+      int64_t own = 0;
+      for (int64_t t = 0; t < shared_lo(me, ch + 1, T, S); ++t) own += active[t];
+      out_counts[ch] = int32_t(own);
+    }
+    int64_t running = 0, i = 0;
+    for (int p = 0; p < W; ++p) {
+      running += recv_rows[p];
+      if (p >= S) out_counts[p] = int32_t(running);
+      for (int64_t k = 0; k < recv_rows[p]; ++k) src[size_t(i++)] = p;
+    }
+  } else {
+    auto C = [&](int p, int64_t j) { return g.extras[p][(me - S) * L + j]; };
+    std::vector<int64_t> block(size_t(W * L));  // [src][j]: where source src's rows of expert j start
+    int64_t running = 0;
+    for (int64_t j = 0; j < L; ++j) {
+      int64_t before_src = 0;  // rows of expert j from earlier sources
+      for (int p = 0; p < W; ++p) {
+        block[size_t(p * L + j)] = a.slab_rows > 0 ? j * a.slab_rows + before_src : running;
+        before_src += C(p, j);
+        running += C(p, j);
+        out_counts[j * W + p] = int32_t(running);
+      }
+    }
+    int64_t i = 0;
+    for (int p = 0; p < W; ++p) {
+      for (int64_t j = 0; j < L; ++j) {
+        for (int64_t k = 0; k < C(p, j); ++k, ++i) {
+          pos[size_t(i)] = block[size_t(p * L + j)] + k;
+          src[size_t(i)] = p;
+          smooth_row[size_t(i)] = (me - S) * L + j + a.smooth_shift;
+        }
+      }
+    }
+  }
+  const at::Tensor at_pos = positions(pos);
+  int64_t col = 0;
+  if (prequant) {
+    at::Tensor dst = row_bytes(a.out_rows), dst_scales = row_bytes(a.out_scales.view({-1, 1}));
+    place_rows(recv.narrow(1, 0, H), at_pos, dst);
+    place_rows(recv.narrow(1, H, 4), at_pos, dst_scales);
+    col = H + 4;
+  } else if (a.quant) {
+    at::Tensor raw = recv.narrow(1, 0, width).contiguous().view(a.rows.scalar_type()).view({n, H});
+    at::Tensor qr = at::empty({n, H}, at::kChar), qs = at::empty({n}, at::kFloat);
+    quantize_rows(raw, a.smooth, positions(smooth_row), qr, qs);
+    at::Tensor dst = row_bytes(a.out_rows), dst_scales = row_bytes(a.out_scales.view({-1, 1}));
+    place_rows(row_bytes(qr), at_pos, dst);
+    place_rows(row_bytes(qs.view({-1, 1})), at_pos, dst_scales);
+    col = width;
+  } else {
+    at::Tensor dst = row_bytes(a.out_rows);
+    place_rows(recv.narrow(1, 0, width), at_pos, dst);
+    col = width;
+  }
+  if (aux_bytes) {
+    if (a.out_aux.defined()) {
+      at::Tensor dst = a.out_aux;
+      place_rows(recv.narrow(1, col, aux_bytes), at_pos, dst);
+    }
+    col += aux_bytes;
+  }
+  const uint8_t* r = recv.data_ptr<uint8_t>();
+  if (a.out_weights.defined()) {
+    float* ow = a.out_weights.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      float v = 0.0f;
+      if (has_w) std::memcpy(&v, r + i * rec + col, 4);
+      ow[pos[size_t(i)]] = v;
+    }
+  }
+  if (has_w) col += 4;
+  if (a.out_info.defined()) {
+    int32_t* info = a.out_info.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      int32_t* row = info + pos[size_t(i)] * a.info_stride;
+      row[0] = int32_t(src[size_t(i)]);
+      std::memcpy(row + 1, r + i * rec + col, 8);
+    }
+  }
+  if (a.out_occurrence.defined()) {  // expand_idx: the entry's place among this rank's entries of its expert
+    int32_t* occ = a.out_occurrence.data_ptr<int32_t>();
+    std::vector<int32_t> seen(size_t(M), 0);
+    for (int64_t i = 0; i < T * K; ++i) occ[i] = ids[i] >= 0 ? seen[size_t(ids[i])]++ : -1;
+  }
+}
+
+// ---- combine ---------------------------------------------------------------------------------
+
+void HostsMoe::combine(const MoeCombineArgs& a) {
+  const int W = size_, me = rank_;
+  FirstError c;
+  if (c.tensor(a.rows, "expert output rows", std::nullopt, 2)) {
+    c.need([&] { return is_float_rows(a.rows.scalar_type()); }, [&] {
+      return cam::str("expert output rows must be a contiguous 2-D float32, bfloat16 or float16 tensor, got ",
+                 a.rows.scalar_type(), " of shape ", a.rows.sizes());
+    });
+  }
+  c.tensor(a.segments, "segments", at::kLong, 2);
+  c.tensor(a.out, "the output", std::nullopt, 2);
+  c.tensor(a.plan_peer, "plan ranks", at::kInt, 2);
+  c.tensor(a.plan_seg, "plan segments", at::kInt, 2);
+  c.tensor(a.plan_off, "plan offsets", at::kLong, 2);
+  c.tensor(a.plan_weight, "plan weights", at::kFloat, 2, false);
+  if (a.add.defined()) c.tensor(a.add, "the added rows", std::nullopt, 2);
+  int64_t n = 0, H = 0, nseg = 0;
+  auto msg = [](const char* m) { return [m] { return std::string(m); }; };
+  if (c.ok()) {
+    n = a.rows.size(0);
+    H = a.rows.size(1);
+    nseg = a.segments.size(0);
+    if (c.need([&] { return a.segments.size(1) == 3; }, msg("segments must be (n, 3): first row, rows, owner rank"))) {
+      const int64_t* sg = a.segments.data_ptr<int64_t>();
+      for (int64_t i = 0; i < nseg; ++i) {
+        const int64_t first = sg[3 * i], count = sg[3 * i + 1];
+        if (!c.need([&] { return first >= 0 && count >= 0 && first <= n - count; }, [&] {
+              return cam::str("segment ", i, " [", first, ", ", first + count, ") lies outside the ", n,
+                         " expert output rows (fewer rows than dispatch served?)");
+            }))
+          break;
+      }
+    }
+    c.need([&] { return is_float_rows(a.out.scalar_type()) && a.out.size(1) == H; },
+           msg("the output must be a contiguous float tensor of the rows' hidden size"));
+    c.need([&] {
+      return a.plan_peer.size(0) == a.out.size(0) && a.plan_seg.sizes() == a.plan_peer.sizes() &&
+             a.plan_off.sizes() == a.plan_peer.sizes();
+    }, msg("the plan must have one row per output token"));
+    c.need([&] { return !a.plan_weight.defined() || a.plan_weight.sizes() == a.plan_peer.sizes(); },
+           msg("plan weights must have the plan's shape"));
+    c.need([&] {
+      return !a.add.defined() || (a.add.sizes() == a.out.sizes() &&
+                                  (a.add.scalar_type() == a.out.scalar_type() || a.add.scalar_type() == at::kFloat));
+    }, msg("the added rows must have the output's shape, and its dtype or float32"));
+  }
+  Header header{};
+  std::vector<int64_t> table;
+  if (c.ok()) {
+    header[kRows] = n;
+    header[kCombineHidden] = H;
+    header[kSegments] = nseg;
+    header[kCombineDtype] = int64_t(a.rows.scalar_type());
+    header[kCombineQuant] = int64_t(a.quant);
+    table.assign(a.segments.data_ptr<int64_t>(), a.segments.data_ptr<int64_t>() + 3 * nseg);
+  }
+  const Agreed g = agree("moe_combine", header, c.error, table);
+  const std::string where = cam::str("cam moe_combine on rank ", me);
+  int first_serving = -1;
+  for (int r = 0; r < W; ++r) {
+    const Header& p = g.heads[r];
+    TORCH_CHECK(p[kCombineQuant] == g.heads[me][kCombineQuant], where, ": rank ", r, " combines with comm_quant_mode ",
+                2 * p[kCombineQuant], " while this rank uses ", 2 * g.heads[me][kCombineQuant],
+                "; every rank must pass the same value");
+  }
+  for (int r = 0; r < W; ++r) {
+    const Header& p = g.heads[r];
+    if (p[kRows] <= 0) continue;
+    if (first_serving < 0) first_serving = r;
+    TORCH_CHECK(p[kCombineHidden] == H, where, ": rank ", r, " returns rows of hidden size ", p[kCombineHidden],
+                " while this rank combines into rows of ", H);
+    TORCH_CHECK(p[kCombineDtype] == g.heads[first_serving][kCombineDtype], where, ": rank ", r, " returns ",
+                dtype_name(p[kCombineDtype]), " rows while rank ", first_serving, " returns ",
+                dtype_name(g.heads[first_serving][kCombineDtype]), "; every rank must return one dtype");
+  }
+  const auto dtype = first_serving >= 0 ? at::ScalarType(g.heads[first_serving][kCombineDtype]) : a.rows.scalar_type();
+  // Every rank's segments: seg(p, s) = [first, rows, owner].
+  auto seg = [&](int p, int64_t s) { return &g.extras[p][size_t(3 * s)]; };
+  auto nseg_of = [&](int p) { return g.heads[p][kSegments]; };
+
+  // The rows this rank sends each owner: its segments of that owner, in segment order.
+  std::vector<int64_t> send_rows(W, 0), send_index;
+  for (int s = 0; s < W; ++s) {
+    for (int64_t i = 0; i < nseg; ++i) {
+      const int64_t* e = seg(me, i);
+      if (e[2] != s) continue;
+      for (int64_t k = 0; k < e[1]; ++k) send_index.push_back(e[0] + k);
+      send_rows[s] += e[1];
+    }
+  }
+  const int64_t elem = int64_t(c10::elementSize(dtype));
+  const int64_t width = a.quant ? H + 4 : H * elem;
+  at::Tensor send = at::empty({int64_t(send_index.size()), width}, at::kByte);
+  if (!send_index.empty()) {
+    uint8_t* s = send.data_ptr<uint8_t>();
+    if (a.quant) {
+      at::Tensor q = at::empty({n, H}, at::kChar), qs = at::empty({n}, at::kFloat);
+      quantize_rows(a.rows, at::Tensor(), at::Tensor(), q, qs);
+      for (size_t i = 0; i < send_index.size(); ++i) {
+        std::memcpy(s + i * width, q.data_ptr<int8_t>() + send_index[i] * H, size_t(H));
+        std::memcpy(s + i * width + H, qs.data_ptr<float>() + send_index[i], 4);
+      }
+    } else {
+      const char* rows = static_cast<const char*>(a.rows.data_ptr());
+      for (size_t i = 0; i < send_index.size(); ++i)
+        std::memcpy(s + i * width, rows + send_index[i] * width, size_t(width));
+    }
+  }
+  // Each peer's segments of this rank: where their rows land in the received buffer.
+  std::vector<int64_t> recv_rows(W, 0);
+  std::vector<std::vector<int64_t>> seg_base(W);
+  int64_t base = 0;
+  for (int p = 0; p < W; ++p) {
+    seg_base[p].assign(size_t(std::max<int64_t>(nseg_of(p), 1)), 0);
+    for (int64_t s = 0; s < nseg_of(p); ++s) {
+      seg_base[p][size_t(s)] = base;
+      if (seg(p, s)[2] == me) base += seg(p, s)[1], recv_rows[p] += seg(p, s)[1];
+    }
+  }
+  const at::Tensor recv = exchange_rows("moe_combine", send, send_rows, recv_rows, width);
+
+  // The plan against what every peer serves (a bad plan fails this rank, after its peers have
+  // their rows: as on one host).
+  const int64_t T = a.plan_peer.size(0), P = a.plan_peer.size(1);
+  const int32_t* peer = a.plan_peer.data_ptr<int32_t>();
+  const int32_t* pseg = a.plan_seg.data_ptr<int32_t>();
+  const int64_t* off = a.plan_off.data_ptr<int64_t>();
+  at::Tensor index = at::empty({T, P}, at::kLong);
+  int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * P; ++i) {
+    const int64_t p = peer[i], s = pseg[i], o = off[i];
+    if (p < 0) {
+      idx[i] = -1;
+      continue;
+    }
+    auto fail = [&](const std::string& what) {
+      TORCH_CHECK(false, where, ": token ", i / P, " slot ", i % P, ": ", what);
+    };
+    if (p >= W) fail(cam::str("names rank ", p, " outside the group of ", W));
+    if (s < 0 || s >= nseg_of(int(p)))
+      fail(cam::str("names segment ", s, " of rank ", p, ", which serves ", nseg_of(int(p)),
+               " segments (ep_send_counts / handle from another dispatch?)"));
+    const int64_t* e = seg(int(p), s);
+    if (o < 0 || o >= e[1] || e[0] + o >= g.heads[p][kRows])
+      fail(cam::str("names row ", o, " of segment ", s, " of rank ", p, ", which holds ", e[1], " rows there and returns ",
+               g.heads[p][kRows], " in all (expand_idx / handle from another dispatch, or expand_x shorter than "
+               "dispatch produced?)"));
+    if (e[2] != me) fail(cam::str("names segment ", s, " of rank ", p, ", which holds rank ", e[2], "'s tokens, not this rank's"));
+    idx[i] = seg_base[p][size_t(s)] + o;
+  }
+  at::Tensor rows_in, scales_in;
+  if (a.quant) {
+    rows_in = recv.narrow(1, 0, H).contiguous().view(at::kChar);
+    scales_in = recv.narrow(1, H, 4).contiguous().view(at::kFloat).view(-1);
+  } else {
+    rows_in = recv.view(dtype).view({-1, H});
+  }
+  at::Tensor out = a.out;
+  weighted_sum_rows(rows_in, scales_in, index, a.plan_weight, a.add, a.add_first, out);
+}
+
+}  // namespace cam::moe

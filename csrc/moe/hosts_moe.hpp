@@ -1,0 +1,79 @@
+// HostsMoe: MoE dispatch and combine on a group whose ranks span hosts (or on a group whose
+// backend is cam's one-sided engine alone, as the in-process test transport's groups are). It
+// takes the single-host ops' arguments (MoeDispatchArgs, MoeCombineArgs) and gives the same
+// outputs bit for bit, over the group's own collectives, so that the rows travel over shared
+// memory inside a host and over UCX (or the gloo fallback) between hosts. An op is, on the
+// group's c10d backend, called from here and complete before the call returns:
+//
+//   1. an all-gather of every rank's fixed-size record: its refusal text (argument errors are
+//      found before anything moves), a header of shapes and options (every rank checks every
+//      rank's against its own and names the one that differs), and its counts (dispatch: rows
+//      per expert and per shared-expert rank, so every rank checks every receiver's capacity
+//      alike; combine: its segment table). Counts past kInlineInts take a second all-gather
+//      padded to the longest;
+//   2. one all_to_all_single of packed rows: each row a receiver gets is sent once, in the
+//      order the receiver lays out one source's rows (dispatch: the row, int8 + scale when the
+//      sender can quantize (no per-expert smooth scales), side data, weight, token and slot;
+//      combine: int8 + scale under comm quantization), and the receiver places, quantizes or
+//      weights them from that one buffer with the single-host kernels (gathered_rows.hpp).
+//
+// The index math is plain loops over the counts: no tensor op per step, so a decode-sized call
+// costs its two collectives and little else.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "moe_ops.hpp"
+
+namespace cam::moe {
+
+class HostsMoe {
+ public:
+  static constexpr int kHeaderInts = 24;
+  static constexpr int64_t kErrorBytes = 1024;
+  static constexpr int64_t kInlineInts = 256;
+
+  HostsMoe(c10::intrusive_ptr<c10d::Backend> group, int rank, int size);
+
+  void dispatch(const MoeDispatchArgs& a);
+  void combine(const MoeCombineArgs& a);
+  // Takes part in the group's next MoE op as a refusal of this rank's arguments: every rank
+  // raises naming this rank and `reason` (here too).
+  [[noreturn]] void refuse(const std::string& kind, const std::string& op, const std::string& reason);
+  // (W, n) every rank's `counts` (n int32 each; undefined: W zeros), or, when any rank passes
+  // a non-empty `reason`, its refusal raised on every rank.
+  at::Tensor all_gather_counts(const std::string& op, const at::Tensor& counts, const std::string& reason);
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return group_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Counts that ride inline in the first all-gather (tests lower it to exercise the second).
+  int64_t inline_ints() const { return inline_ints_; }
+  void set_inline_ints(int64_t n);
+
+ private:
+  using Header = std::array<int64_t, kHeaderInts>;
+  struct Agreed {
+    std::vector<Header> heads;                 // [rank]
+    std::vector<std::vector<int64_t>> extras;  // [rank], each zero-padded to the longest
+  };
+  // Round 1 (and 2 for extras past the inline room). Raises on every rank if any rank refused,
+  // this rank's own reason first.
+  Agreed agree(const std::string& op, const Header& header, const std::string& error,
+               const std::vector<int64_t>& extra);
+  at::Tensor all_gather(const std::string& op, const at::Tensor& mine);
+  // all_to_all_single of (rows, width) uint8 by row counts per peer.
+  at::Tensor exchange_rows(const std::string& op, const at::Tensor& send, const std::vector<int64_t>& send_rows,
+                           const std::vector<int64_t>& recv_rows, int64_t width);
+  void check_dispatch_headers(const std::vector<Header>& heads) const;
+  void check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) const;
+
+  c10::intrusive_ptr<c10d::Backend> group_;
+  int rank_, size_;
+  int64_t inline_ints_ = kInlineInts;
+};
+
+}  // namespace cam::moe
