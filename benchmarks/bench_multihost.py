@@ -20,6 +20,9 @@ MoE: one dispatch + combine of that many bytes of bf16 token rows per rank (rows
 top-4 of 16 experts, 4 per rank, identity experts) by torch_cam.moe_distribute_dispatch /
 combine, against the usual all-to-all token dispatcher of bench_moe.py over flat gloo and
 over cam's all_to_all_single; the outputs are checked against each other before timing.
+Weights: a model of that many bytes (8 fp32 tensors) trained TP 2 on host 0's ranks, taken whole
+by a replica on each rank of host 1 (WeightChannel publish / update: every byte crosses the link
+once per replica), against gloo broadcasts of each trainer shard from its owner to every rank.
 Results: benchmarks/results_multihost.md (written with --write).
 """
 from __future__ import annotations
@@ -160,6 +163,7 @@ def worker(args) -> None:
             rows.append(row)
     rows += kv_rows(rank, gloo, args)
     rows += moe_rows(rank, world, gloo, args)
+    rows += weights_rows(rank, gloo, args)
     raws = [None] * world
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
@@ -272,6 +276,46 @@ def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
     return rows
 
 
+def weights_rows(rank: int, gloo, args) -> list[dict]:
+    """WeightChannel from host 0's trainers (TP 2) to a replica on each rank of host 1 (see the
+    module docstring), against gloo broadcasts of the same shards."""
+    import torch
+    import torch.distributed as dist
+    from _harness import timed_slowest
+    from torch_cam.weights import Shard, WeightChannel
+
+    trainers, replicas = list(range(PER_HOST)), [[r] for r in range(PER_HOST, HOSTS * PER_HOST)]
+    rows = []
+    for nbytes in args.sizes:
+        if nbytes < (64 << 10):
+            continue
+        cols = 256
+        shape = (max(PER_HOST, nbytes // (8 * 4 * cols)), cols)
+        ch = WeightChannel(trainers=trainers, replicas=replicas)
+        full = [torch.full(shape, float(i)) for i in range(8)]
+        if rank in trainers:
+            i = trainers.index(rank)
+            mine = [ch.register(f"w{k}", t.chunk(PER_HOST, 0)[i].clone(), Shard(0, i, PER_HOST), shape=shape)
+                    for k, t in enumerate(full)]
+        else:
+            mine = [ch.register(f"w{k}", torch.zeros(shape)) for k in range(8)]
+        version = iter(range(1, 1 << 30))
+        step = (lambda: ch.publish(next(version))) if rank in trainers else (lambda: ch.update(next(version)))
+        step()
+        if rank not in trainers and not all(torch.equal(m, f) for m, f in zip(mine, full)):
+            raise RuntimeError(f"bench_multihost: weights differ on rank {rank} at {nbytes} bytes")
+        shards = [t.chunk(PER_HOST, 0)[i].clone() for t in full for i in range(PER_HOST)]
+
+        def broadcasts():
+            for j, t in enumerate(shards):
+                dist.broadcast(t, src=trainers[j % PER_HOST], group=gloo)
+
+        rows.append({"op": "weights", "bytes": 8 * shape[0] * cols * 4, "cam_s": timed_slowest(step, gloo, args.samples),
+                     "gloo_s": timed_slowest(broadcasts, gloo, args.samples)})
+        del ch, mine
+    return rows
+
+
 # ----------------------------------------------------------------------------- launcher
 
 def find_tool() -> str:
@@ -312,7 +356,7 @@ def table(rate: str, res: dict) -> list[str]:
              "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        if r["op"] in ("kv", "moe"):
+        if r["op"] in ("kv", "moe", "weights"):
             continue
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
         cg = r.get("cam_gloo_s")
@@ -346,6 +390,18 @@ def table(rate: str, res: dict) -> list[str]:
             lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
                          f"{r['a2a_cam_s'] * 1e3:.3f} | {r['gloo_s'] / r['cam_s']:.2f}x | "
                          f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
+    weights = [r for r in res["rows"] if r["op"] == "weights"]
+    if weights:
+        lines += ["", f"RL weights: host 0's {PER_HOST} trainers (TP {PER_HOST}) to a whole replica on each of host 1's "
+                  f"{PER_HOST} ranks (WeightChannel publish / update), against gloo broadcasts of the shards; "
+                  f"link bytes: the model once per replica:",
+                  "",
+                  "| model | cam ms | gloo broadcasts ms | gloo / cam | cam link GB/s | of raw stream |",
+                  "|---|---|---|---|---|---|"]
+        for r in weights:
+            link = PER_HOST * r["bytes"] / r["cam_s"]
+            lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
+                         f"{r['gloo_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]

@@ -14,6 +14,7 @@ from cam_testing import assert_all_ok, cam_segments, run_ranks
 from hierarchical_checks import check_all
 from kv_across_hosts_checks import check_kv, check_kv_dead_peer
 from moe_across_hosts_checks import check_moe, check_moe_dead_peer
+from weights_across_hosts_checks import check_weights, check_weights_dead_trainer
 
 DEADLINE_S = 240
 
@@ -170,6 +171,19 @@ def _kv(rank, world, init_file, hosts):
         return check_kv(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _weights(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts)
+    try:
+        return check_weights(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _weights_dead_trainer(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=30)
+    return check_weights_dead_trainer(rank, world, timeout_s=15)
 
 
 def _moe(rank, world, init_file, hosts):
@@ -377,16 +391,21 @@ class _HierarchicalCases:
     def test_moe_three_hosts_of_one(self):
         self._run([0, 1, 2], _moe)
 
-    def test_moe_dead_rank_raises_on_every_host(self):
+    def check_dead_rank(self, fn, dead, expect):
+        """fn on 2 x 2, where rank `dead` vanishes: every other rank raised in time with a message
+        matching expect % rank, and nothing is left in /dev/shm."""
         before = set(cam_segments())
-        results = self.run_ranks(_moe_dead_peer, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))
-        for r in (0, 1, 2):
+        results = self.run_ranks(fn, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(dead,))
+        for r in sorted(set(range(4)) - {dead}):
             status, value = results[r]
             self.assertEqual(status, "ok", value)
             how, took, msg = value
             self.assertEqual(how, "raised", f"rank {r} took {took:.1f} s: {msg}")
-            self.assertIn(f"cam moe_dispatch on rank {r}", msg)
+            self.assertRegex(msg, expect % r)
         self.assertEqual(set(cam_segments()) - before, set())
+
+    def test_moe_dead_rank_raises_on_every_host(self):
+        self.check_dead_rank(_moe_dead_peer, 3, r"cam moe_dispatch on rank %d")
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())
@@ -410,6 +429,17 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
 
     def test_kv_three_hosts_of_one(self):
         self._run([0, 1, 2], _kv)
+
+    # Weight transfer reads other hosts' trainers over UCX whatever engine the collectives use.
+    def test_weights_two_hosts_of_two(self):
+        self._run([0, 0, 1, 1], _weights)
+
+    def test_weights_three_hosts_of_one(self):
+        self._run([0, 1, 2], _weights)
+
+    def test_weights_dead_trainer_raises_on_every_host(self):
+        self.check_dead_rank(_weights_dead_trainer, 0, r"weights update of version 2 on rank %d: .*(peer rank 0 died|"
+                                                       r"rank 0 .*(unreachable|failed|gone))")
 
     def test_p2p_across_hosts_errors_and_dead_peer(self):
         results = self.run_ranks(_p2p_across_hosts, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(3,))

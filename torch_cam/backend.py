@@ -188,6 +188,7 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
             "operation reads and writes peers' memory directly, which needs every rank of the group on "
             "one host (between hosts it needs one-sided operations over UCX, which torch_cam's "
             "collectives use but this operation does not yet). Collectives, point-to-point, MoE "
-            "dispatch / combine, the MoE Buffer and torch_cam.kv.KVTransfer work across hosts")
+            "dispatch / combine, the MoE Buffer, torch_cam.kv.KVTransfer and torch_cam.weights.WeightChannel "
+            "work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "
                        f"(its CPU backend is {type(backend).__name__})")

@@ -171,7 +171,7 @@ class KVTransfer:
             n = KVTransfer._across_hosts[self.group.group_name] = KVTransfer._across_hosts.get(
                 self.group.group_name, 0) + 1
             names = [spanning.host_names[h] for h in host_of]
-            link = _C.KVUcxLink(dist.PrefixStore(f"cam_kv{n}/", spanning.store), self.rank, self.world,
+            link = _C.UcxArenaLink(dist.PrefixStore(f"cam_kv{n}/", spanning.store), self.rank, self.world,
                                 self.timeout_s, self.backend, f"'{self.group.group_name}' (KV transfer {n})",
                                 names)
             self._native.connect_across_hosts(offsets, self._local_of, self.backend, link)

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .backend import get_cam_backend
+from . import _C
+from .backend import get_host_backend, spanning_backend
 
 __all__ = ["WeightChannel", "ParameterServer", "Replicate", "Shard", "FlatShard", "ParamMeta", "quantize_rows"]
 
@@ -273,9 +274,26 @@ class WeightChannel:
     def __init__(self, group=None, *, trainers, replicas, bucket_bytes: int = 64 << 20,
                  copy_threads: int | None = None):
         self.group = group if group is not None else dist.group.WORLD
-        self._backend = get_cam_backend(self.group)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        # This host's heap (the group's own on one host): trainers' tensors live there, and
+        # rollouts read same-host trainers' pages through it. Ranks of other hosts are read
+        # over UCX (self._link): their pages land in a buffer, one tensor's worth at a time.
+        spanning = spanning_backend(self.group)
+        self._backend = get_host_backend(self.group)
+        if spanning is None:
+            self._local_of = list(range(self.world))
+        else:
+            if _C.ucx_version is None:  # every rank raises alike: the build is the same everywhere
+                raise RuntimeError(
+                    f"torch_cam WeightChannel: group {self.group.group_name!r} spans hosts "
+                    f"({', '.join(spanning.host_names)}); reading another host's weights needs UCX's one-sided "
+                    "get and this build of torch_cam has no UCX (install libucx-dev, e.g. `apt-get install "
+                    "libucx-dev`, and rebuild)")
+            mine = spanning.host_of[self.rank]
+            self._local_of = [spanning.local_of[r] if spanning.host_of[r] == mine else -1 for r in range(self.world)]
+        self._link = None
+        self._remote, self._placeholders = {}, []  # while planning: placeholders of other hosts' pages
         local_error = None
         try:
             trainers = [int(r) for r in trainers]
@@ -305,6 +323,14 @@ class WeightChannel:
                                  f"replicas={a[1]}, bucket_bytes={a[2]}; rank 0 passed trainers="
                                  f"{everyone[0][0]}, replicas={everyone[0][1]}, bucket_bytes={everyone[0][2]}")
         self.trainers, self.replicas, self.bucket_bytes = trainers, replicas, bucket_bytes
+        if spanning is not None:
+            # Every rank makes its channels of a group in the same order: the n-th one's keys.
+            n = WeightChannel._across_hosts[self.group.group_name] = WeightChannel._across_hosts.get(
+                self.group.group_name, 0) + 1
+            self._link = _C.UcxArenaLink(
+                dist.PrefixStore(f"cam_weights{n}/", spanning.store), self.rank, self.world,
+                self._backend.timeout_s, self._backend, f"'{self.group.group_name}' (weight channel {n})",
+                [spanning.host_names[h] for h in spanning.host_of])
         self.role = "trainer" if self.rank in trainers else "rollout"
         self.replica = next((i for i, rep in enumerate(replicas) if self.rank in rep), None)
         self._entries: dict[str, _Entry] = {}
@@ -320,6 +346,8 @@ class WeightChannel:
         self.copy_threads = int(copy_threads) if copy_threads is not None else max(
             1, min(len(os.sched_getaffinity(0)), (os.cpu_count() or 1) // rollouts))
         self._pool = None
+
+    _across_hosts: dict[str, int] = {}
 
     # -- registration (local) --
 
@@ -515,7 +543,12 @@ class WeightChannel:
             local_error = f"{type(e).__name__}: {e}"
         if local_error is not None:
             names = None
-        everyone = self._exchange(op, version, names, local_error)
+        try:
+            everyone = self._exchange(op, version, names, local_error)
+        except RuntimeError as e:  # a peer or the group failed before the commit point
+            held = "no version yet" if self._version is None else f"version {self._version}"
+            raise RuntimeError(f"weights {op} of version {version} on rank {self.rank}: {e} (before the commit "
+                               f"point: this rank still holds {held})") from e
         plan = self._check_and_plan(op, version, everyone)
         # Commit point: every rank agreed and the plan checked out everywhere.
         self._committed = version
@@ -567,12 +600,20 @@ class WeightChannel:
                                f"not apply it: {texts[bad[0]]}{mine}")
 
     def _run(self, plan):
-        """Runs the plan's parts (one per copy thread) side by side."""
-        if len(plan) <= 1:
-            return _run(plan[0]) if plan else None
+        """Runs the plan: the copies from this host's pages, then each group of copies from
+        other hosts' pages once its bytes have landed (one landing buffer, reused)."""
+        self._run_parts(plan.local)
+        for reads, parts in plan.remote:
+            self._link.read(reads, f"weights update on rank {self.rank}")
+            self._run_parts(parts)
+
+    def _run_parts(self, parts):
+        """Runs parts (one per copy thread) side by side."""
+        if len(parts) <= 1:
+            return _run(parts[0]) if parts else None
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.copy_threads, "torch_cam-weights")
-        for f in [self._pool.submit(_run, part) for part in plan]:
+        for f in [self._pool.submit(_run, part) for part in parts]:
             f.result()  # tensor copies release the GIL, so the parts run side by side
 
     def _refresh_staged(self, names):
@@ -608,11 +649,13 @@ class WeightChannel:
         plan = self._plans.get(key)
         if plan is None:
             with torch.no_grad():  # views of parameters, written in place later
-                plan = _balance(self._plan(op, version, names), self.copy_threads)
+                plan = self._assemble(self._plan(op, version, names))
             self._plans = {key: plan}  # one cached plan: registrations or names changed otherwise
         return plan
 
     def _plan(self, op, version, names):
+        """[steps of one rollout name] for every name this rank takes."""
+        self._remote, self._placeholders = {}, []
         metas = {r: self._peer_meta[r][1] for r in range(self.world)}
         rollouts = [r for rep in self.replicas for r in rep]
         every = set()
@@ -645,8 +688,59 @@ class WeightChannel:
                                f"(floats cast to floats, or to int8/float8_e4m3fn with scale=; others move only "
                                f"as themselves)", TypeError)
                 if r == self.rank:
-                    steps.extend(self._rollout_steps(name, d, pieces))
+                    steps.append(self._rollout_steps(name, d, pieces))
         return steps
+
+    def _assemble(self, steps_by_name):
+        """The plan from each rollout name's steps. Steps that read only this host's pages run
+        first; the others are grouped (names in order, about bucket_bytes of remote bytes a
+        group, a larger tensor alone), and each group's remote bytes are fetched into the
+        landing buffer, which the group's steps then read: the span each trainer's part covers,
+        so a rollout holds at most one group of another host's weights at a time."""
+        local, groups = [], []
+        for steps in steps_by_name:
+            spans = {}  # trainer -> [lo, hi) elements of its registration these steps read
+            for s in steps:
+                for v in _sources(s):
+                    if v.device.type != "meta" or v.numel() == 0:
+                        continue
+                    t, sm = self._remote[id(v if v._base is None else v._base)]
+                    lo, hi = _extent(v)
+                    a, b, _ = spans.get((t, sm.name), (lo, hi, sm))
+                    spans[(t, sm.name)] = (min(a, lo), max(b, hi), sm)
+            if not spans:
+                local.extend(steps)
+                continue
+            nbytes = sum(_aligned((hi - lo) * sm.dtype.itemsize) for lo, hi, sm in spans.values())
+            if groups and groups[-1][2] + nbytes <= self.bucket_bytes:
+                groups[-1][0].extend(steps)
+                groups[-1][1].update(spans)
+                groups[-1][2] += nbytes
+            else:
+                groups.append([list(steps), dict(spans), nbytes])
+        most = max((g[2] for g in groups), default=0)
+        landing = torch.empty(most, dtype=torch.uint8) if most else None
+        remote = []
+        for steps, spans, _ in groups:
+            reads, land, at = [], {}, 0
+            for (t, name), (lo, hi, sm) in sorted(spans.items()):
+                n = (hi - lo) * sm.dtype.itemsize
+                slot = landing[at:at + n]
+                reads.append((t, self._peer_meta[t][2][name] + lo * sm.dtype.itemsize, slot))
+                land[(t, name)] = (slot.view(sm.dtype), lo)
+                at += _aligned(n)
+
+            def landed(v, land=land):
+                if v.device.type != "meta":
+                    return v
+                t, sm = self._remote[id(v if v._base is None else v._base)]
+                buf, lo = land[(t, sm.name)]
+                return buf.as_strided(v.shape, v.stride(), buf.storage_offset() + v.storage_offset() - lo)
+            for s in steps:
+                _map_sources(s, landed)
+            remote.append((reads, _balance(steps, self.copy_threads)))
+        self._remote, self._placeholders = {}, []  # every placeholder view is replaced
+        return _Plan(_balance(local, self.copy_threads), remote, landing)
 
     def _replica_of(self, r):
         return next(i for i, rep in enumerate(self.replicas) if r in rep)
@@ -660,7 +754,8 @@ class WeightChannel:
         if reps:
             if len(reps) != len(srcs):
                 self._fail(op, version, f"{name!r} is replicated on some trainer ranks and sharded on others")
-            m = reps[(self.replica or 0) % len(reps)]
+            near = [m for m in reps if self._local_of[m.rank] >= 0]  # same host: no bytes cross a link
+            m = (near or reps)[(self.replica or 0) % len(near or reps)]
             return [(m.rank, b, m) for b in _spec_boxes(shape, m.shard)]
         boxes = [(m.rank, b, m) for m in srcs for b in _spec_boxes(shape, m.shard)]
         covered = sum(_volume(b) for _, b, _ in boxes)
@@ -694,10 +789,18 @@ class WeightChannel:
         return [self._quant_step(e, d, parts, src_of)]
 
     def _peer_boxes(self, t, sm):
-        """{box: view of trainer t's heap pages holding it} for trainer registration sm."""
-        raw = self._backend.peer_arena_view(t, self._peer_meta[t][2][sm.name],
-                                            math.prod(sm.local_shape) * sm.dtype.itemsize)
-        return dict(_box_views(raw.view(sm.dtype).view(sm.local_shape), sm.shape, sm.shard))
+        """{box: view of trainer t's heap pages holding it} for trainer registration sm. For a
+        trainer on another host the views are of a placeholder (a meta tensor of its shape) that
+        _assemble points into the landing buffer."""
+        if self._local_of[t] < 0:
+            raw = torch.empty(sm.local_shape, dtype=sm.dtype, device="meta")
+            self._remote[id(raw)] = (t, sm)
+            self._placeholders.append(raw)  # ids stay unique while the plan is made
+        else:
+            raw = self._backend.peer_arena_view(self._local_of[t], self._peer_meta[t][2][sm.name],
+                                                math.prod(sm.local_shape) * sm.dtype.itemsize)
+            raw = raw.view(sm.dtype).view(sm.local_shape)
+        return dict(_box_views(raw, sm.shape, sm.shard))
 
     def _quant_step(self, e, d, parts, src_of):
         """Row buckets of at most bucket_bytes of fp32 scratch: gather the rows' values from the
@@ -776,6 +879,38 @@ def _buckets(dst, src, limit):
 
 def _step_bytes(s):
     return s.dst.numel() * s.dst.element_size()
+
+
+def _sources(step):
+    """The source views a step reads."""
+    if step.buckets is None:
+        return [step.src]
+    return [src for _, _, _, srcs in step.buckets for _, src in srcs]
+
+
+def _map_sources(step, fn):
+    """Replaces every source view of step by fn(view)."""
+    if step.buckets is None:
+        step.src = fn(step.src)
+        return
+    step.buckets = [(r0, r1, box, [(jb, fn(src)) for jb, src in srcs]) for r0, r1, box, srcs in step.buckets]
+
+
+def _extent(v):
+    """[lo, hi) storage elements a non-empty view spans."""
+    lo = v.storage_offset()
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride()))
+
+
+def _aligned(nbytes, to=64):
+    return (nbytes + to - 1) // to * to
+
+
+@dataclasses.dataclass
+class _Plan:
+    local: list          # parts reading this host's pages
+    remote: list         # [(reads [(trainer, arena offset, landing slice)], parts)], run in order
+    landing: torch.Tensor | None  # the buffer the remote parts read (kept alive with them)
 
 
 class _Part:

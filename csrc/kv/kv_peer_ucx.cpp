@@ -4,55 +4,10 @@
 
 namespace cam::kv {
 
-// ---- the link ----
-
-UcxKVLink::UcxKVLink(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts, char* arena, int64_t arena_bytes)
-    : ucx_(std::make_unique<SharedUcx>(store, std::move(opts))) {
-  try {
-    // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
-    // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
-    region_ = locked([&](UcxTransport& t) { return t.register_memory(arena, size_t(arena_bytes)); });
-    publish_and_read(*store, arena, arena_bytes);
-  } catch (...) {  // the destructor does not run for a half-built link
-    release();
-    throw;
-  }
-}
-
-void UcxKVLink::publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes) {
-  const int n = ucx_->options().size, me = ucx_->options().rank;
-  std::vector<uint8_t> record;
-  append_u64(record, uint64_t(arena));
-  append_u64(record, uint64_t(arena_bytes));
-  const auto& key = region_->packed_key();
-  record.insert(record.end(), key.begin(), key.end());
-  store.set("kv_arena/" + std::to_string(me), record);
-  peers_.resize(size_t(n));
-  for (int q = 0; q < n; ++q) {
-    if (q == me) continue;
-    const std::vector<uint8_t> r = store.get("kv_arena/" + std::to_string(q));
-    PeerArena& p = peers_[size_t(q)];
-    p.address = read_u64(r, 0);
-    p.bytes = int64_t(read_u64(r, 8));
-    p.key = locked([&](UcxTransport& t) { return t.unpack_key(q, r.data() + 16); });
-  }
-}
-
-void UcxKVLink::release() {
-  locked([&](UcxTransport&) {
-    peers_.clear();
-    region_.reset();
-  });
-}
-
-UcxKVLink::~UcxKVLink() { release(); }
-
 // ---- a peer on another host ----
 
-UcxKVPeer::UcxKVPeer(std::shared_ptr<UcxKVLink> link, int peer, int64_t control_offset)
+UcxKVPeer::UcxKVPeer(std::shared_ptr<UcxArenaLink> link, int peer, int64_t control_offset)
     : link_(std::move(link)), peer_(peer), control_offset_(control_offset) {}
-
-ucp_rkey_h UcxKVPeer::key() const { return static_cast<const UcxRemoteKey&>(*link_->arena(peer_).key).get(); }
 
 std::string UcxKVPeer::what() const { return str("cam KV transfer with rank ", peer_); }
 

@@ -11,6 +11,7 @@
 #include "../transport/loopback_transport.hpp"
 #ifdef CAM_HAVE_UCX
 #include "../backend/ucx_p2p_backend.hpp"
+#include "../transport/ucx_arena_link.hpp"
 #include "../transport/ucx_transport.hpp"
 #endif
 #include "../transport/heap_allocator.hpp"
@@ -249,6 +250,41 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("options"),
            py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
+  py::class_<cam::UcxArenaLink, std::shared_ptr<cam::UcxArenaLink>>(
+      m, "UcxArenaLink", "Every rank's tensor heap of a group across hosts, reached over UCX (KV and weight transfer)")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
+                       cam::CamBackend& host, const std::string& group_desc, const std::vector<std::string>& names) {
+             const auto& cfg = host.engine()->config();
+             cam::UcxOptions o;
+             o.rank = rank;
+             o.size = size;
+             o.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+             o.liveness_interval_ms = cfg.liveness_interval_ms;
+             o.spin_us = cfg.spin_us;
+             o.group_desc = group_desc;
+             o.names = names;
+             const auto& heap = host.engine()->heap();
+             return std::make_shared<cam::UcxArenaLink>(store, o, heap.layout().arena(heap.base(heap.rank())),
+                                                        cfg.tensor_heap_bytes);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("host"),
+           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read",
+          [](cam::UcxArenaLink& l, const std::vector<std::tuple<int, int64_t, at::Tensor>>& reads,
+             const std::string& what) {
+            std::vector<cam::UcxArenaLink::Read> rs;
+            for (const auto& [peer, offset, dst] : reads) {
+              TORCH_CHECK_VALUE(dst.is_contiguous() && dst.device().is_cpu(), what,
+                                ": a read lands in a contiguous CPU tensor");
+              rs.push_back({peer, offset, dst.data_ptr(), int64_t(dst.nbytes())});
+            }
+            py::gil_scoped_release nogil;
+            l.read(rs, what);
+          },
+          py::arg("reads"), py::arg("what"),
+          "Fills each (peer, offset, dst) with dst.nbytes bytes of peer's tensor heap at offset (UCX gets, "
+          "all issued, then completed)");
 #endif
 #ifdef CAM_HAVE_UCX
   m.attr("ucx_version") = cam::ucx_version();

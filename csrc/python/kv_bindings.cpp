@@ -166,27 +166,6 @@ void bind_kv(py::module& m) {
       .def("layer_done", &cam::kv::KVTransferJob::layer_done)
       .def("failed_blocks", &cam::kv::KVTransferJob::failed_blocks);
 
-#ifdef CAM_HAVE_UCX
-  py::class_<cam::kv::UcxKVLink, std::shared_ptr<cam::kv::UcxKVLink>>(
-      m, "KVUcxLink", "How a KVTransfer of a group across hosts reaches the ranks of other hosts (UCX)")
-      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, double timeout_s,
-                       cam::CamBackend& host, const std::string& group_desc, const std::vector<std::string>& names) {
-             const auto& cfg = host.engine()->config();
-             cam::UcxOptions o;
-             o.rank = rank;
-             o.size = size;
-             o.timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
-             o.liveness_interval_ms = cfg.liveness_interval_ms;
-             o.spin_us = cfg.spin_us;
-             o.group_desc = group_desc;
-             o.names = names;
-             const auto& heap = host.engine()->heap();
-             return std::make_shared<cam::kv::UcxKVLink>(store, o, heap.layout().arena(heap.base(heap.rank())),
-                                                          cfg.tensor_heap_bytes);
-           }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_s"), py::arg("host"),
-           py::arg("group_desc"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
-#endif
 
   py::class_<cam::kv::KVTransfer, std::shared_ptr<cam::kv::KVTransfer>>(m, "KVTransfer")
       .def(py::init([](cam::CamBackend& b, double timeout_s, int rank, int world) {
@@ -203,7 +182,7 @@ void bind_kv(py::module& m) {
       .def(
           "connect_across_hosts",
           [](cam::kv::KVTransfer& t, const std::vector<int64_t>& offsets, const std::vector<int>& local_of,
-             cam::CamBackend& host, const std::shared_ptr<cam::kv::UcxKVLink>& link) {
+             cam::CamBackend& host, const std::shared_ptr<cam::UcxArenaLink>& link) {
             const cam::SymmetricHeap& heap = host.engine()->heap();
             const int64_t cap = host.engine()->config().tensor_heap_bytes;
             TORCH_CHECK_VALUE(int64_t(local_of.size()) == t.world(), "expected ", t.world(), " entries in local_of");

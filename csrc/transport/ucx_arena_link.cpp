@@ -1,0 +1,68 @@
+#include "ucx_arena_link.hpp"
+
+#include "../core/errors.hpp"
+
+namespace cam {
+
+UcxArenaLink::UcxArenaLink(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts, char* arena, int64_t arena_bytes)
+    : ucx_(std::make_unique<SharedUcx>(store, std::move(opts))) {
+  try {
+    // Over TCP registering costs nothing; over RDMA it pins what is registered (the arena is
+    // sparse: only its allocated pages should be, a refinement for when RDMA is tested).
+    region_ = locked([&](UcxTransport& t) { return t.register_memory(arena, size_t(arena_bytes)); });
+    publish_and_read(*store, arena, arena_bytes);
+  } catch (...) {  // the destructor does not run for a half-built link
+    release();
+    throw;
+  }
+}
+
+void UcxArenaLink::publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes) {
+  const int n = size(), me = rank();
+  std::vector<uint8_t> record;
+  append_u64(record, uint64_t(arena));
+  append_u64(record, uint64_t(arena_bytes));
+  const auto& key = region_->packed_key();
+  record.insert(record.end(), key.begin(), key.end());
+  store.set("arena/" + std::to_string(me), record);
+  peers_.resize(size_t(n));
+  for (int q = 0; q < n; ++q) {
+    if (q == me) continue;
+    const std::vector<uint8_t> r = store.get("arena/" + std::to_string(q));
+    PeerArena& p = peers_[size_t(q)];
+    p.address = read_u64(r, 0);
+    p.bytes = int64_t(read_u64(r, 8));
+    p.key = locked([&](UcxTransport& t) { return t.unpack_key(q, r.data() + 16); });
+  }
+}
+
+void UcxArenaLink::release() {
+  locked([&](UcxTransport&) {
+    peers_.clear();
+    region_.reset();
+  });
+}
+
+UcxArenaLink::~UcxArenaLink() { release(); }
+
+ucp_rkey_h UcxArenaLink::key(int peer) const {
+  return static_cast<const UcxRemoteKey&>(*arena(peer).key).get();
+}
+
+void UcxArenaLink::read(const std::vector<Read>& reads, const std::string& what) {
+  for (const Read& r : reads) {
+    TORCH_CHECK(r.peer >= 0 && r.peer < size() && r.peer != rank() && arena(r.peer).key, what, ": rank ", r.peer,
+                " is not another rank of the group reached over UCX");
+    TORCH_CHECK(r.offset >= 0 && r.bytes >= 0 && r.offset <= arena(r.peer).bytes - r.bytes, what, ": bytes [",
+                r.offset, ", ", r.offset + r.bytes, ") lie outside rank ", r.peer, "'s tensor heap of ",
+                arena(r.peer).bytes, " bytes");
+  }
+  locked([&](UcxTransport& t) {
+    for (const Read& r : reads) {
+      if (r.bytes > 0) t.get(r.peer, r.dst, size_t(r.bytes), arena(r.peer).address + uint64_t(r.offset), key(r.peer));
+    }
+    t.complete(what);
+  });
+}
+
+}  // namespace cam
