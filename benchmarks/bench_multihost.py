@@ -23,6 +23,9 @@ over cam's all_to_all_single; the outputs are checked against each other before 
 Weights: a model of that many bytes (8 fp32 tensors) trained TP 2 on host 0's ranks, taken whole
 by a replica on each rank of host 1 (WeightChannel publish / update: every byte crosses the link
 once per replica), against gloo broadcasts of each trainer shard from its owner to every rank.
+AFD: one layer's attention-FFN exchange (bench_afd.py's decode shapes at H 4096, 64 experts,
+top-8, bf16) with host 0's ranks as attention ranks and host 1's as FFN ranks, cam's AfdChannel
+against the same exchange written with all_to_all_single over flat gloo and over cam.
 Results: benchmarks/results_multihost.md (written with --write).
 """
 from __future__ import annotations
@@ -164,6 +167,7 @@ def worker(args) -> None:
     rows += kv_rows(rank, gloo, args)
     rows += moe_rows(rank, world, gloo, args)
     rows += weights_rows(rank, gloo, args)
+    rows += afd_rows(rank, gloo, args)
     raws = [None] * world
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
@@ -316,6 +320,45 @@ def weights_rows(rank: int, gloo, args) -> list[dict]:
     return rows
 
 
+AFD_SHAPES = ((32, 4096, 64), (128, 4096, 64))  # (tokens per attention rank, hidden, experts)
+
+
+def afd_rows(rank: int, gloo, args) -> list[dict]:
+    """One AFD layer between host 0 (attention) and host 1 (FFN), see the module docstring."""
+    import torch
+    from _harness import all_ok, timed_slowest
+    from bench_afd import DTYPE, TOPK, a2a_exchange, routing
+    from torch_cam.afd import AfdChannel
+
+    attn, ffn = list(range(PER_HOST)), list(range(PER_HOST, HOSTS * PER_HOST))
+    rows = []
+    for bs, H, E in AFD_SHAPES:
+        per_rank = E // len(ffn)
+        ch = AfdChannel(attention_ranks=attn, ffn_ranks=ffn, experts_per_rank=per_rank, hidden=H, topk=TOPK,
+                        max_tokens=bs, dtype=DTYPE, micro_batches=2)
+        on_attn = rank in attn
+        x = torch.randn(bs, H, generator=torch.Generator().manual_seed(rank)).to(DTYPE) if on_attn else None
+        ids, w = routing(rank, bs, E, 0) if on_attn else (None, None)
+
+        def cam():
+            if on_attn:
+                return ch.recv(ch.send(x, ids, w, layer=0))
+            tok = ch.recv_tokens(layer=0)
+            ch.send_outputs(tok.rows, tok)  # identity experts: only the exchange is timed
+            return None
+
+        got = cam()
+        if not all_ok(not on_attn or torch.allclose(got.float(), x.float(), atol=2e-2, rtol=2e-2), gloo):
+            raise RuntimeError(f"bench_multihost: the AFD exchange is wrong at bs {bs}")
+        row = {"op": "afd", "bytes": bs * H * 2, "bs": bs, "cam_s": timed_slowest(cam, gloo, args.samples)}
+        for key, group in (("gloo_s", gloo), ("a2a_cam_s", None)):
+            row[key] = timed_slowest(lambda g=group: a2a_exchange(g, rank, attn, ffn, x, ids, w, per_rank, H),
+                                     gloo, args.samples)
+        rows.append(row)
+        ch.close()
+    return rows
+
+
 # ----------------------------------------------------------------------------- launcher
 
 def find_tool() -> str:
@@ -356,7 +399,7 @@ def table(rate: str, res: dict) -> list[str]:
              "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        if r["op"] in ("kv", "moe", "weights"):
+        if r["op"] in ("kv", "moe", "weights", "afd"):
             continue
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
         cg = r.get("cam_gloo_s")
@@ -402,6 +445,17 @@ def table(rate: str, res: dict) -> list[str]:
             link = PER_HOST * r["bytes"] / r["cam_s"]
             lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
                          f"{r['gloo_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
+    afd = [r for r in res["rows"] if r["op"] == "afd"]
+    if afd:
+        lines += ["", f"AFD: one layer's exchange, host 0's {PER_HOST} ranks attention, host 1's {PER_HOST} FFN "
+                  "(H 4096, 64 experts, top-8, bf16), against the exchange written with all_to_all_single:",
+                  "",
+                  "| tokens per attention rank | cam ms | a2a over gloo ms | a2a over cam ms | gloo / cam | "
+                  "a2a over cam / cam |",
+                  "|---|---|---|---|---|---|"]
+        for r in afd:
+            lines.append(f"| {r['bs']} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | {r['a2a_cam_s'] * 1e3:.3f} | "
+                         f"{r['gloo_s'] / r['cam_s']:.2f}x | {r['a2a_cam_s'] / r['cam_s']:.2f}x |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]

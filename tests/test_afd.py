@@ -110,10 +110,18 @@ def _ffn_step(ch, spec, layer, mb, quant, check_rows=True):
 
 
 def _exchange_worker(rank, world, init_file, spec):
-    """spec["layers"] layers of spec micro-batches, ping-pong: the attention side sends
-    micro-batch m+1 before receiving m."""
-    from torch_cam import afd_reference
     _init(rank, world, init_file)
+    checked = run_exchange(rank, spec)
+    dist.barrier()
+    dist.destroy_process_group()
+    return checked
+
+
+def run_exchange(rank, spec):
+    """On the default group: spec["layers"] layers of spec micro-batches, ping-pong (the
+    attention side sends micro-batch m+1 before receiving m), every output and every FFN rank's
+    grouped rows checked; returns the exchanges this rank checked."""
+    from torch_cam import afd_reference
     ch = _channel(spec)
     L, MB = spec["layers"], spec["micro_batches"]
     quant = spec.get("quant", False)
@@ -160,8 +168,6 @@ def _exchange_worker(rank, world, init_file, spec):
             for mb in range(MB):
                 _ffn_step(ch, spec, layer, mb, quant)
                 checked += 1
-    dist.barrier()
-    dist.destroy_process_group()
     return checked
 
 
@@ -257,10 +263,15 @@ def _role_worker(rank, world, init_file, spec):
 
 
 def _dead_worker(rank, world, init_file, spec, who, how):
-    """`who` ("ffn" or "attention") rank spec[who][0] dies (os._exit) or freezes before its part
-    of message 2; the others must raise within the timeout."""
-    from torch_cam import afd
     _init(rank, world, init_file)
+    return run_dead(rank, spec, who, how)
+
+
+def run_dead(rank, spec, who, how):
+    """On the default group: `who` ("ffn" or "attention") rank spec[who][0] dies (os._exit) or
+    freezes before its part of message 2; the others must raise within the timeout. Returns
+    (message, seconds, what a later call raised)."""
+    from torch_cam import afd
     ch = _channel(spec, timeout=4.0)
     victim = spec["ffn" if who == "ffn" else "attn"][0]
     attn = rank in spec["attn"]

@@ -10,6 +10,7 @@ import unittest
 import torch
 import torch.distributed as dist
 
+from afd_across_hosts_checks import check_afd, check_afd_dead_ffn
 from cam_testing import assert_all_ok, cam_segments, run_ranks
 from hierarchical_checks import check_all
 from kv_across_hosts_checks import check_kv, check_kv_dead_peer
@@ -171,6 +172,19 @@ def _kv(rank, world, init_file, hosts):
         return check_kv(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _afd(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts)
+    try:
+        return check_afd(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _afd_dead_ffn(rank, world, init_file, hosts):
+    _init(rank, world, init_file, hosts, timeout_s=30)
+    return check_afd_dead_ffn(rank, world)
 
 
 def _weights(rank, world, init_file, hosts):
@@ -429,6 +443,27 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
 
     def test_kv_three_hosts_of_one(self):
         self._run([0, 1, 2], _kv)
+
+    # AFD between hosts puts and gets over UCX whatever engine the collectives use.
+    def test_afd_two_hosts_of_two(self):
+        results = self.run_ranks(_afd, 4, [0, 0, 1, 1], deadline_s=DEADLINE_S)
+        assert_all_ok(self, results)
+        self.assertFalse([m for _, v in results.values() for m in v])
+
+    def test_afd_three_hosts_of_one(self):
+        results = self.run_ranks(_afd, 3, [0, 1, 2], deadline_s=DEADLINE_S)
+        assert_all_ok(self, results)
+        self.assertFalse([m for _, v in results.values() for m in v])
+
+    def test_afd_dead_ffn_rank_raises_on_the_other_host(self):
+        results = self.run_ranks(_afd_dead_ffn, 4, [0, 0, 1, 1], deadline_s=120, allow_died=(2,))
+        for r in (0, 1):  # the attention ranks, both waiting for FFN rank 2 of the other host
+            status, value = results[r]
+            self.assertEqual(status, "ok", value)
+            msg, elapsed, again = value
+            self.assertRegex(msg, r"AfdError: .*rank 2 (is unreachable|died)", f"rank {r}")
+            self.assertLess(elapsed, 8.0, f"rank {r} took {elapsed:.1f} s")
+            self.assertRegex(again, r"the channel is broken", f"rank {r}")
 
     # Weight transfer reads other hosts' trainers over UCX whatever engine the collectives use.
     def test_weights_two_hosts_of_two(self):

@@ -3,7 +3,7 @@
 # hostname, /dev/shm, PID namespace and boot id per host; between hosts UCX over TCP where the
 # build has it, and again gloo, the fallback of a build without UCX): every collective and point-to-point op at 2 hosts x 2 ranks and 3 hosts x 1 rank
 # checked against the reference, MoE dispatch / combine and the Buffer with experts on every
-# host, KV transfer (push, pull) and RL weight transfer between hosts over UCX, and a rank that
+# host, KV transfer (push, pull), RL weight transfer and AFD between hosts over UCX, and a rank that
 # dies on one host makes the ranks of every host raise; nothing may be left in any host's /dev/shm.
 #   bash tests/test_multihost.sh [python]      (default .venv/bin/python)
 # Needs root (namespaces); skips with a message where it is not root or has no multihost.sh
@@ -52,6 +52,9 @@ for engine in $engines; do
     check 2 2 tests/multihost/check_weights.py  # weights between hosts: UCX gets, whatever the engine
     check 3 1 tests/multihost/check_weights.py
     check 2 2 tests/multihost/check_weights.py --dead-trainer
+    check 2 2 tests/multihost/check_afd.py  # AFD between hosts: UCX puts and gets, whatever the engine
+    check 3 1 tests/multihost/check_afd.py
+    check 2 2 tests/multihost/check_afd.py --dead-ffn
   fi
 done
 exit $status

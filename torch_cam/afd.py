@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .backend import get_cam_backend
+from .backend import HostPeers
 
 __all__ = ["AfdChannel", "AfdHandle", "AfdTokens", "AfdError", "AfdTimeout",
            "a2e", "e2a", "dispatch_send_async", "dispatch_recv_async", "combine_send_async",
@@ -160,9 +160,12 @@ class AfdChannel:
                  topk: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16, shared_expert: bool = False,
                  micro_batches: int = 2, timeout: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
-        self._backend = get_cam_backend(self.group)
         self.rank = dist.get_rank(self.group)
         world = dist.get_world_size(self.group)
+        # This host's heap (the group's own on one host): peers of this host are mapped; on a
+        # group across hosts the others are reached over UCX (self._link, see _map_peers).
+        peers = HostPeers(self.group, f"cam afd channel on rank {self.rank}", AfdError)
+        self._backend, self._near = peers.backend, peers.near
         attention_ranks = tuple(int(r) for r in attention_ranks)
         ffn_ranks = tuple(int(r) for r in ffn_ranks)
         cfg = _Config(attention_ranks, ffn_ranks, int(experts_per_rank), int(hidden), int(topk),
@@ -198,6 +201,7 @@ class AfdChannel:
             raise AfdError(f"cam afd channel on rank {self.rank}: " + "; ".join(errors))
         self._block = block
         self._offsets = [off for _, _, off in every]
+        self._link = peers.link("AFD channel", self.timeout)
         self._broken: str | None = None
         self._next = 1          # number of this rank's next message (1-based, both sides)
         self._map_peers()
@@ -230,37 +234,57 @@ class AfdChannel:
             return f"topk {c.topk} exceeds the {c.num_experts} routed experts"
         return None
 
+    # Block layouts. An FFN rank's block: per slot and attention rank a done line, per slot a
+    # status line (together its "answer" area), then per slot and attention rank an inbox line
+    # where an attention rank of another host puts its header words. An attention rank's
+    # block: its slots, then per FFN rank a copy of that rank's answer area, which an FFN rank
+    # of another host puts into. Peers of this host read and write the originals in place.
+    def _answer_bytes(self) -> int:
+        return self.S * self.M * _LINE + self.S * _STATUS_BYTES
+
     def _block_bytes(self) -> int:
         if self.role == "attention":
-            return self.S * self._layout.bytes
+            return self.S * self._layout.bytes + self.N * self._answer_bytes()
         if self.role == "ffn":
-            return self.S * self.M * _LINE + self.S * _STATUS_BYTES
+            return self._answer_bytes() + self.S * self.M * _LINE
         return 0
+
+    def _remote(self, r: int) -> bool:
+        return self._near[r] < 0
+
+    def _answer_views(self, area: torch.Tensor):
+        """(done counters [s * M + a] every _LINE bytes, S status lines) of an answer area."""
+        return area[: self.S * self.M * _LINE].view(torch.int64), area[self.S * self.M * _LINE:self._answer_bytes()]
 
     def _map_peers(self):
         c, L, be = self.cfg, self._layout, self._backend
-        B, K, H = c.max_tokens, c.topk, c.hidden
         if self.role == "ffn":
             mine = self._block
-            self._done = mine[: self.S * self.M * _LINE].view(torch.int64)      # [s * M + a] * 8
-            self._status = mine[self.S * self.M * _LINE:]   # S lines of _STATUS_BYTES
-            # Every attention rank's slots, mapped: header words, ids, weights, scales, rows, recv.
+            self._done, self._status = self._answer_views(mine)
+            self._inbox = mine[self._answer_bytes():].view(torch.int64)   # [s * M + a] every _LINE bytes
+            # Every attention rank's slots: mapped (this host), or a shadow that recv_tokens fills
+            # with UCX gets (another host). Header words, ids, weights, scales, rows, recv.
             self._peer_slots = []
             for r in c.attention_ranks:
-                view = be.peer_arena_view(r, self._offsets[r], self.S * L.bytes)
-                slots = []
-                for s in range(self.S):
-                    b = view[s * L.bytes:(s + 1) * L.bytes]
-                    slots.append(self._slot_views(b))
-                self._peer_slots.append(slots)
+                if self._remote(r):
+                    view = torch.zeros(self.S * L.bytes, dtype=torch.uint8)
+                else:
+                    view = be.peer_arena_view(self._near[r], self._offsets[r], self.S * L.bytes)
+                self._peer_slots.append([self._slot_views(view[s * L.bytes:(s + 1) * L.bytes])
+                                         for s in range(self.S)])
         if self.role == "attention":
             mine = self._block
             self._slots = [self._slot_views(mine[s * L.bytes:(s + 1) * L.bytes]) for s in range(self.S)]
             self._peer_done, self._peer_status = [], []
-            for r in c.ffn_ranks:
-                view = be.peer_arena_view(r, self._offsets[r], self.S * self.M * _LINE + self.S * _STATUS_BYTES)
-                self._peer_done.append(view[: self.S * self.M * _LINE].view(torch.int64))
-                self._peer_status.append(view[self.S * self.M * _LINE:])   # S lines of _STATUS_BYTES
+            for f, r in enumerate(c.ffn_ranks):
+                if self._remote(r):   # the copy in this rank's block that rank r puts into
+                    at = self.S * L.bytes + f * self._answer_bytes()
+                    area = mine[at:at + self._answer_bytes()]
+                else:
+                    area = be.peer_arena_view(self._near[r], self._offsets[r], self._answer_bytes())
+                done, status = self._answer_views(area)
+                self._peer_done.append(done)
+                self._peer_status.append(status)
 
     def _slot_views(self, b: torch.Tensor) -> dict:
         c, L = self.cfg, self._layout
@@ -296,7 +320,12 @@ class AfdChannel:
                            f"{list(self.cfg.ffn_ranks)})")
 
     def _wait(self, op: str, peer: int, counters: torch.Tensor, index: int, target: int, what: str):
-        why = self._backend.wait_signal(peer, counters, index, target, self.timeout)
+        if self._remote(peer):   # a counter that peer puts into this rank's memory over UCX
+            why = self._link.wait_signal(self._backend, peer, counters, index, target, self.timeout)
+            if why and why != "timeout":
+                why = f"is unreachable ({why})"
+        else:
+            why = self._backend.wait_signal(self._near[peer], counters, index, target, self.timeout)
         if not why:
             return
         if why == "timeout":
@@ -306,6 +335,15 @@ class AfdChannel:
             raise AfdTimeout(f"{self._where(op)}: {self._broken}")
         self._broken = f"rank {peer} {why} before it could {what}"
         raise AfdError(f"{self._where(op)}: {self._broken}")
+
+    def _put(self, after, op: str, data=()):
+        """Puts data [(rank, arena offset, tensor)] to ranks of other hosts, then (after them)
+        the counters in after; a peer lost on the way breaks the channel."""
+        try:
+            self._link.write(list(data), list(after), f"{self._where(op)}")
+        except RuntimeError as e:
+            self._broken = str(e)
+            raise AfdError(f"{self._where(op)}: {e}") from e
 
     @staticmethod
     def _write_text(t: torch.Tensor, text: str):
@@ -421,6 +459,12 @@ class AfdChannel:
             _C.signal_store(hdr, word, value)
         _C.signal_store(hdr, _H_POSTED, n)
         self._backend.ring_parked_peers()
+        # FFN ranks of another host find the header words in their inbox (they then get the rest).
+        s = (n - 1) % self.S
+        line = (self._answer_bytes() + (s * self.M + self._a) * _LINE)
+        far = [(r, self._offsets[r] + line, hdr) for r in self.cfg.ffn_ranks if self._remote(r)]
+        if far:
+            self._put(far, "send")
 
     def recv(self, handle: AfdHandle, expert_weights: torch.Tensor | None = None, *,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -498,14 +542,22 @@ class AfdChannel:
             slot = self._peer_slots[a][s]
             want = f"send message {n} (layer {layer}, micro-batch {micro_batch}) to ffn rank {self.rank}" \
                 if layer is not None else f"send message {n} to ffn rank {self.rank}"
+            line = (s * self.M + a) * (_LINE // 8)
             try:
-                self._wait(op, r, slot["header"], _H_POSTED, n, want)
+                if self._remote(r):   # its header words arrive in this rank's inbox
+                    self._wait(op, r, self._inbox, line + _H_POSTED, n, want)
+                    slot["header"].copy_(self._inbox[line:line + _H_WORDS])
+                else:
+                    self._wait(op, r, slot["header"], _H_POSTED, n, want)
             except AfdError as e:   # the other attention ranks hear it now, not at their timeout
                 self._fail_message(s, n, f"{e}")
                 raise
             heads.append(slot["header"].tolist())
         self._next += 1
+        self._fetch(op, s, n, heads, texts=True)
         problem = self._check_headers(heads, n, layer, micro_batch, quant)
+        if problem is None:
+            self._fetch(op, s, n, heads, texts=False)
         if problem is not None:
             self._fail_message(s, n, problem)
             self._pending[s] = None
@@ -528,6 +580,33 @@ class AfdChannel:
         tokens.weighted = weighted
         self._pending[s] = tokens
         return tokens
+
+    def _fetch(self, op: str, s: int, n: int, heads, texts: bool):
+        """Fills the shadow slots of attention ranks of other hosts for message n: the refusal
+        texts of those that refused (texts), or the ids, weights, scales and rows of the batch
+        each announced (once the headers checked out)."""
+        L, reads = self._layout, []
+        for a, r in enumerate(self.cfg.attention_ranks):
+            if not self._remote(r) or heads[a][_H_POSTED] != n:
+                continue
+            slot, base = self._peer_slots[a][s], self._offsets[r] + s * L.bytes
+            if texts:
+                if heads[a][_H_REFUSED]:
+                    reads.append((r, base + _TEXT_AT, slot["text"]))
+                continue
+            bs, quant = heads[a][_H_BS], bool(heads[a][_H_QUANT])
+            reads += [(r, base + L.ids, slot["ids"][:bs]), (r, base + L.weights, slot["weights"][:bs]),
+                      (r, base + L.rows, slot["qrows" if quant else "rows"][:bs])]
+            if quant:
+                reads.append((r, base + L.scales, slot["scales"][:bs]))
+        if not reads:
+            return
+        try:
+            self._link.read(reads, self._where(op))
+        except RuntimeError as e:   # the other attention ranks hear it now, not at their timeout
+            self._broken = str(e)
+            self._fail_message(s, n, self._broken)
+            raise AfdError(f"{self._where(op)}: {e}") from e
 
     def _check_headers(self, heads, n, layer, mb, quant) -> str | None:
         c = self.cfg
@@ -565,6 +644,7 @@ class AfdChannel:
         for a in range(self.M):
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), n)
         self._backend.ring_parked_peers()
+        self._answer_far("fail", s, None, failed=True)
 
     def _groups(self) -> int:
         return self.cfg.experts_per_rank + (1 if self.cfg.shared_expert else 0)
@@ -660,6 +740,43 @@ class AfdChannel:
         for a in range(self.M):   # signal_store fences the copies before each counter
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), tokens.message)
         self._backend.ring_parked_peers()
+        self._answer_far(op, s, tokens)
+
+    def _far_answer_at(self, r: int) -> int:
+        """Arena offset, in attention rank r's heap, of its copy of this FFN rank's answer area."""
+        return self._offsets[r] + self.S * self._layout.bytes + self._f * self._answer_bytes()
+
+    def _answer_far(self, op: str, s: int, tokens: AfdTokens | None, failed: bool = False):
+        """Attention ranks of other hosts: the rows this rank wrote into their shadow slots (unless
+        the message failed), and its status line if it did, then the done counter, put into
+        their copies of this rank's answer area. A peer that is gone is left out when failing."""
+        c, L = self.cfg, self._layout
+        esize = self._esize()
+        for a, r in enumerate(c.attention_ranks):
+            if not self._remote(r):
+                continue
+            at, line = self._far_answer_at(r), (s * self.M + a) * (_LINE // 8)
+            data = []
+            if failed:
+                data.append((r, at + self.S * self.M * _LINE + s * _STATUS_BYTES,
+                             self._status[s * _STATUS_BYTES:(s + 1) * _STATUS_BYTES]))
+            elif tokens.weighted:   # this rank's partial of every token of that rank's batch
+                partials, base = self._peer_slots[a][s]["partials"], self._offsets[r] + s * L.bytes + L.recv
+                data += [(r, base + (t * self.N + self._f) * c.hidden * 4, partials[t, self._f])
+                         for t in range(tokens.batch_sizes[a])]
+            else:   # the expert rows it returned, each to its (token, k) row
+                rows, base = self._peer_slots[a][s]["recv"], self._offsets[r] + s * L.bytes + L.recv
+                mine = tokens.source[tokens.source[:, 0] == a]
+                data += [(r, base + (t * L.rows_per_token + k) * c.hidden * esize, rows[t, k])
+                         for t, k in mine[:, 1:].tolist()]
+            after = [(r, at + line * 8, self._done[line:line + 1])]
+            if failed:
+                try:
+                    self._link.write(data, after, self._where(op))
+                except RuntimeError:
+                    pass  # that rank is gone: it cannot wait for this message any more
+            else:
+                self._put(after, op, data)
 
     # ---- lifetime ------------------------------------------------------------------------------
 

@@ -162,6 +162,44 @@ def spanning_backend(group=None) -> "_C.HierarchicalBackend | None":
     return _spanning.get(getattr(pg, "group_name", ""))
 
 
+class HostPeers:
+    """How an extension (KV, weights, AFD) reaches the ranks of ``group``: ``near[r]`` is rank r's
+    index in this host's heap (``backend``, mapped), or -1 for a rank of another host, reached
+    over ``link(...)``'s UCX gets and puts. Making it raises on every rank alike, before any
+    collective, when the group spans hosts and this build has no UCX (the build is the same
+    everywhere)."""
+
+    _made: dict = {}  # (group name, kind) -> links made: every rank makes them in the same order
+
+    def __init__(self, group, what: str, error=RuntimeError):
+        self.group = group
+        self.spanning = spanning_backend(group)
+        self.backend = get_host_backend(group)
+        world = group.size()
+        if self.spanning is None:
+            self.near = list(range(world))
+            return
+        names = self.spanning.host_names
+        if _C.ucx_version is None:
+            raise error(f"{what}: group {group.group_name!r} spans hosts ({', '.join(names)}); between hosts it "
+                        "needs UCX's one-sided operations and this build of torch_cam has no UCX (install "
+                        "libucx-dev, e.g. `apt-get install libucx-dev`, and rebuild)")
+        host_of, mine = self.spanning.host_of, self.spanning.host_of[group.rank()]
+        self.near = [self.spanning.local_of[r] if host_of[r] == mine else -1 for r in range(world)]
+
+    def link(self, kind: str, timeout_s: float) -> "_C.UcxArenaLink | None":
+        """Collective: this group's next UCX link of ``kind`` (every rank's heap registered and its
+        key exchanged), or None on one host."""
+        if self.spanning is None:
+            return None
+        key = (self.group.group_name, kind)
+        n = HostPeers._made[key] = HostPeers._made.get(key, 0) + 1
+        names = [self.spanning.host_names[h] for h in self.spanning.host_of]
+        return _C.UcxArenaLink(dist.PrefixStore(f"cam_{kind.replace(' ', '_')}{n}/", self.spanning.store),
+                               self.group.rank(), self.group.size(), timeout_s, self.backend,
+                               f"'{self.group.group_name}' ({kind} {n})", names)
+
+
 def get_host_backend(group=None) -> "_C.CamBackend":
     """The cam backend over this rank's host in ``group``: the group's own when it is on one
     host, else the backend of its ranks on this host (their heap, their engine)."""
@@ -188,7 +226,7 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
             "operation reads and writes peers' memory directly, which needs every rank of the group on "
             "one host (between hosts it needs one-sided operations over UCX, which torch_cam's "
             "collectives use but this operation does not yet). Collectives, point-to-point, MoE "
-            "dispatch / combine, the MoE Buffer, torch_cam.kv.KVTransfer and torch_cam.weights.WeightChannel "
-            "work across hosts")
+            "dispatch / combine, the MoE Buffer, torch_cam.kv.KVTransfer, torch_cam.weights.WeightChannel and "
+            "torch_cam.afd.AfdChannel work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "
                        f"(its CPU backend is {type(backend).__name__})")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .backend import get_cam_backend, spanning_backend
+from .backend import HostPeers
 from .heap import empty as heap_empty
 from .kv_reference import KVLayout, _check_num_tokens
 
@@ -147,38 +147,22 @@ class KVTransfer:
     def __init__(self, group=None, timeout_s: float | None = None):
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world = self.group.rank(), self.group.size()
-        spanning = spanning_backend(self.group)
         # Same-host peers through the host's heap; a group across hosts reaches the others over UCX.
-        self.backend = get_cam_backend(self.group) if spanning is None else spanning.local
+        peers = HostPeers(self.group, "torch_cam KVTransfer")
+        self.backend = peers.backend
         self._local_of = None
         self.timeout_s = float(self.backend.timeout_s if timeout_s is None else timeout_s)
-        if spanning is not None and _C.ucx_version is None:
-            # Every rank raises alike, before any collective: the build is the same everywhere.
-            raise RuntimeError(
-                f"torch_cam KVTransfer: group {self.group.group_name!r} spans hosts "
-                f"({', '.join(spanning.host_names)}); transfers between hosts need UCX's one-sided "
-                "operations and this build of torch_cam has no UCX (install libucx-dev, e.g. "
-                "`apt-get install libucx-dev`, and rebuild)")
         self._native = _C.KVTransfer(self.backend, self.timeout_s, self.rank, self.world)
         offsets = [None] * self.world
         dist.all_gather_object(offsets, self._native.control_offset, group=self.group)
-        if spanning is None:
+        if peers.spanning is None:
             self._native.connect(offsets)
         else:
-            host_of, mine = spanning.host_of, spanning.host_of[self.rank]
-            self._local_of = [spanning.local_of[r] if host_of[r] == mine else -1 for r in range(self.world)]
-            # Every rank makes its KVTransfers of a group in the same order: the n-th one's keys.
-            n = KVTransfer._across_hosts[self.group.group_name] = KVTransfer._across_hosts.get(
-                self.group.group_name, 0) + 1
-            names = [spanning.host_names[h] for h in host_of]
-            link = _C.UcxArenaLink(dist.PrefixStore(f"cam_kv{n}/", spanning.store), self.rank, self.world,
-                                self.timeout_s, self.backend, f"'{self.group.group_name}' (KV transfer {n})",
-                                names)
-            self._native.connect_across_hosts(offsets, self._local_of, self.backend, link)
+            self._local_of = peers.near
+            self._native.connect_across_hosts(offsets, self._local_of, self.backend,
+                                              peers.link("kv transfer", self.timeout_s))
         self.handle = next(KVTransfer._handles)
         KVTransfer._live[self.handle] = self
-
-    _across_hosts: dict[str, int] = {}
 
     # torch.ops.torch_cam.kv_transfer names its transfer object by handle (an op takes no objects).
     _handles = itertools.count(1)

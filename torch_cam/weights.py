@@ -44,8 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _C
-from .backend import get_host_backend, spanning_backend
+from .backend import HostPeers
 
 __all__ = ["WeightChannel", "ParameterServer", "Replicate", "Shard", "FlatShard", "ParamMeta", "quantize_rows"]
 
@@ -278,21 +277,9 @@ class WeightChannel:
         self.world = dist.get_world_size(self.group)
         # This host's heap (the group's own on one host): trainers' tensors live there, and
         # rollouts read same-host trainers' pages through it. Ranks of other hosts are read
-        # over UCX (self._link): their pages land in a buffer, one tensor's worth at a time.
-        spanning = spanning_backend(self.group)
-        self._backend = get_host_backend(self.group)
-        if spanning is None:
-            self._local_of = list(range(self.world))
-        else:
-            if _C.ucx_version is None:  # every rank raises alike: the build is the same everywhere
-                raise RuntimeError(
-                    f"torch_cam WeightChannel: group {self.group.group_name!r} spans hosts "
-                    f"({', '.join(spanning.host_names)}); reading another host's weights needs UCX's one-sided "
-                    "get and this build of torch_cam has no UCX (install libucx-dev, e.g. `apt-get install "
-                    "libucx-dev`, and rebuild)")
-            mine = spanning.host_of[self.rank]
-            self._local_of = [spanning.local_of[r] if spanning.host_of[r] == mine else -1 for r in range(self.world)]
-        self._link = None
+        # over UCX (self._link): their pages land in a buffer, a group of tensors at a time.
+        peers = HostPeers(self.group, f"torch_cam WeightChannel on rank {self.rank}")
+        self._backend, self._local_of = peers.backend, peers.near
         self._remote, self._placeholders = {}, []  # while planning: placeholders of other hosts' pages
         local_error = None
         try:
@@ -323,14 +310,7 @@ class WeightChannel:
                                  f"replicas={a[1]}, bucket_bytes={a[2]}; rank 0 passed trainers="
                                  f"{everyone[0][0]}, replicas={everyone[0][1]}, bucket_bytes={everyone[0][2]}")
         self.trainers, self.replicas, self.bucket_bytes = trainers, replicas, bucket_bytes
-        if spanning is not None:
-            # Every rank makes its channels of a group in the same order: the n-th one's keys.
-            n = WeightChannel._across_hosts[self.group.group_name] = WeightChannel._across_hosts.get(
-                self.group.group_name, 0) + 1
-            self._link = _C.UcxArenaLink(
-                dist.PrefixStore(f"cam_weights{n}/", spanning.store), self.rank, self.world,
-                self._backend.timeout_s, self._backend, f"'{self.group.group_name}' (weight channel {n})",
-                [spanning.host_names[h] for h in spanning.host_of])
+        self._link = peers.link("weight channel", self._backend.timeout_s)
         self.role = "trainer" if self.rank in trainers else "rollout"
         self.replica = next((i for i, rep in enumerate(replicas) if self.rank in rep), None)
         self._entries: dict[str, _Entry] = {}
@@ -346,8 +326,6 @@ class WeightChannel:
         self.copy_threads = int(copy_threads) if copy_threads is not None else max(
             1, min(len(os.sched_getaffinity(0)), (os.cpu_count() or 1) // rollouts))
         self._pool = None
-
-    _across_hosts: dict[str, int] = {}
 
     # -- registration (local) --
 

@@ -115,27 +115,12 @@ std::string CamBackend::wait_signal(int peer, const at::Tensor& counters, int64_
                   index < counters.numel(),
               "cam wait_signal: expected a contiguous int64 tensor and an index inside it");
   const auto& counter = reinterpret_cast<const uint64_t*>(counters.data_ptr<int64_t>())[index];
-  if (int64_t(signal_acquire(counter)) >= target) return {};
   const CamConfig& cfg = engine_->config();
   Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us, [&](int64_t us) {
     engine_->heap().park(us, [&] { return Idleness{int64_t(signal_acquire(counter)) < target, peer_bit(peer)}; });
   });
-  const auto start = Clock::now();
-  const auto until = start + std::chrono::microseconds(int64_t(timeout_s * 1e6));
-  auto next_check = start + std::chrono::milliseconds(cfg.liveness_interval_ms);
-  while (int64_t(signal_acquire(counter)) < target) {
-    backoff.pause();
-    const auto now = Clock::now();
-    if (now >= next_check) {
-      next_check = now + std::chrono::milliseconds(cfg.liveness_interval_ms);
-      if (peer != rank_) {
-        std::string problem = engine_->peer_problem(peer);
-        if (!problem.empty() && int64_t(signal_acquire(counter)) < target) return problem;
-      }
-    }
-    if (now >= until) return int64_t(signal_acquire(counter)) >= target ? std::string() : "timeout";
-  }
-  return {};
+  return wait_for_signal(counter, target, timeout_s, backoff, cfg.liveness_interval_ms,
+                         [&] { return peer == rank_ ? std::string() : engine_->peer_problem(peer); });
 }
 
 at::Tensor CamBackend::allocateTensor(long size, at::TensorOptions options) {

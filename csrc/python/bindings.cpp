@@ -16,6 +16,7 @@
 #endif
 #include "../transport/heap_allocator.hpp"
 #include "../transport/shm_heap.hpp"
+#include "../transport/wait_policy.hpp"
 #include "../../kernels/copy.hpp"
 #include "moe_op_bindings.hpp"
 
@@ -284,7 +285,48 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("reads"), py::arg("what"),
           "Fills each (peer, offset, dst) with dst.nbytes bytes of peer's tensor heap at offset (UCX gets, "
-          "all issued, then completed)");
+          "all issued, then completed)")
+      .def(
+          "write",
+          [](cam::UcxArenaLink& l, const std::vector<std::tuple<int, int64_t, at::Tensor>>& data,
+             const std::vector<std::tuple<int, int64_t, at::Tensor>>& after, const std::string& what) {
+            auto writes = [&](const std::vector<std::tuple<int, int64_t, at::Tensor>>& list) {
+              std::vector<cam::UcxArenaLink::Write> ws;
+              for (const auto& [peer, offset, src] : list) {
+                TORCH_CHECK_VALUE(src.is_contiguous() && src.device().is_cpu(), what,
+                                  ": a write takes a contiguous CPU tensor");
+                ws.push_back({peer, offset, src.data_ptr(), int64_t(src.nbytes())});
+              }
+              return ws;
+            };
+            auto d = writes(data), a = writes(after);
+            py::gil_scoped_release nogil;
+            l.write(d, a, what);
+          },
+          py::arg("data"), py::arg("after"), py::arg("what"),
+          "Puts each (peer, offset, src) of data into peer's tensor heap at offset, then (fenced after them) "
+          "each of after; completed before returning")
+      .def("peer_failure", &cam::UcxArenaLink::peer_failure, py::arg("peer"), py::call_guard<py::gil_scoped_release>(),
+           "Why peer is unreachable over UCX; empty while its endpoint is up")
+      .def(
+          "wait_signal",
+          [](cam::UcxArenaLink& l, const cam::CamBackend& host, int peer, const at::Tensor& counters, int64_t index,
+             int64_t target, double timeout_s) {
+            TORCH_CHECK(counters.scalar_type() == at::kLong && counters.is_contiguous() && index >= 0 &&
+                            index < counters.numel(),
+                        "cam wait_signal: expected a contiguous int64 tensor and an index inside it");
+            const auto& counter = reinterpret_cast<const uint64_t*>(counters.data_ptr<int64_t>())[index];
+            const auto& cfg = host.engine()->config();
+            py::gil_scoped_release nogil;
+            // A peer of another host puts the counter: no bell rings here, so sleeps are plain.
+            cam::Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
+            return cam::wait_for_signal(counter, target, timeout_s, backoff, cfg.liveness_interval_ms,
+                                        [&] { return l.peer_failure(peer); });
+          },
+          py::arg("host"), py::arg("peer"), py::arg("counters"), py::arg("index"), py::arg("target"),
+          py::arg("timeout_s"),
+          "Wait until counters[index] (this rank's memory, put by peer over UCX) >= target: '' when reached, "
+          "'timeout', or why the peer is unreachable");
 #endif
 #ifdef CAM_HAVE_UCX
   m.attr("ucx_version") = cam::ucx_version();

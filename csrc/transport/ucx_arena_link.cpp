@@ -49,20 +49,41 @@ ucp_rkey_h UcxArenaLink::key(int peer) const {
   return static_cast<const UcxRemoteKey&>(*arena(peer).key).get();
 }
 
+void UcxArenaLink::check_range(int peer, int64_t offset, int64_t bytes, const std::string& what) const {
+  TORCH_CHECK(peer >= 0 && peer < size() && peer != rank() && arena(peer).key, what, ": rank ", peer,
+              " is not another rank of the group reached over UCX");
+  TORCH_CHECK(offset >= 0 && bytes >= 0 && offset <= arena(peer).bytes - bytes, what, ": bytes [", offset, ", ",
+              offset + bytes, ") lie outside rank ", peer, "'s tensor heap of ", arena(peer).bytes, " bytes");
+}
+
 void UcxArenaLink::read(const std::vector<Read>& reads, const std::string& what) {
-  for (const Read& r : reads) {
-    TORCH_CHECK(r.peer >= 0 && r.peer < size() && r.peer != rank() && arena(r.peer).key, what, ": rank ", r.peer,
-                " is not another rank of the group reached over UCX");
-    TORCH_CHECK(r.offset >= 0 && r.bytes >= 0 && r.offset <= arena(r.peer).bytes - r.bytes, what, ": bytes [",
-                r.offset, ", ", r.offset + r.bytes, ") lie outside rank ", r.peer, "'s tensor heap of ",
-                arena(r.peer).bytes, " bytes");
-  }
+  for (const Read& r : reads) check_range(r.peer, r.offset, r.bytes, what);
   locked([&](UcxTransport& t) {
     for (const Read& r : reads) {
       if (r.bytes > 0) t.get(r.peer, r.dst, size_t(r.bytes), arena(r.peer).address + uint64_t(r.offset), key(r.peer));
     }
     t.complete(what);
   });
+}
+
+void UcxArenaLink::write(const std::vector<Write>& data, const std::vector<Write>& after, const std::string& what) {
+  for (const auto* list : {&data, &after})
+    for (const Write& w : *list) check_range(w.peer, w.offset, w.bytes, what);
+  locked([&](UcxTransport& t) {
+    auto put = [&](const Write& w) {
+      if (w.bytes > 0) t.put(w.peer, w.src, size_t(w.bytes), arena(w.peer).address + uint64_t(w.offset), key(w.peer));
+    };
+    for (const Write& w : data) put(w);
+    if (!after.empty()) {
+      t.fence();  // the data lands before the counters that announce it
+      for (const Write& w : after) put(w);
+    }
+    t.complete(what);  // the sources are the caller's: reusable once the puts complete locally
+  });
+}
+
+std::string UcxArenaLink::peer_failure(int peer) {
+  return locked([&](UcxTransport& t) { return t.peer_failure(peer); });
 }
 
 }  // namespace cam

@@ -47,6 +47,17 @@ class UcxArenaLink {
     int64_t bytes;
   };
   void read(const std::vector<Read>& reads, const std::string& what);
+  // Puts each of `data` into its peer's arena, then (ordered after all of them: a fence) each
+  // of `after` (the counters that announce the data), completed before returning.
+  struct Write {
+    int peer;
+    int64_t offset;
+    const void* src;
+    int64_t bytes;
+  };
+  void write(const std::vector<Write>& data, const std::vector<Write>& after, const std::string& what);
+  // Why `peer` is unreachable ("" while its endpoint is up).
+  std::string peer_failure(int peer);
 
   template <class F>
   auto locked(F&& f) {
@@ -57,6 +68,7 @@ class UcxArenaLink {
   // Publishes this rank's arena record in the store and reads every peer's.
   void publish_and_read(c10d::Store& store, char* arena, int64_t arena_bytes);
   void release();  // keys and registration, under the lock (the server may be progressing)
+  void check_range(int peer, int64_t offset, int64_t bytes, const std::string& what) const;
 
   std::unique_ptr<SharedUcx> ucx_;
   std::unique_ptr<MemoryRegion> region_;

@@ -161,6 +161,19 @@ UcxTransport::~UcxTransport() {
   // Requests still pending (an op that raised) are abandoned with their endpoints.
   for (auto& r : pending_) ucp_request_free(r.req);
   pending_.clear();
+  // A put completes here when its buffer is free, before the target has it: flush, so that no
+  // target still holds a put of ours when the endpoints close (UCX aborts the process of a
+  // target whose acknowledgement finds the sender gone). Bounded: a dead peer never answers.
+  if (worker_) {
+    ucp_request_param_t fp{};
+    void* flush = ucp_worker_flush_nbx(worker_, &fp);
+    if (UCS_PTR_IS_PTR(flush)) {
+      const auto flush_until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (ucp_request_check_status(flush) == UCS_INPROGRESS && std::chrono::steady_clock::now() < flush_until)
+        ucp_worker_progress(worker_);
+      ucp_request_free(flush);
+    }
+  }
   std::vector<void*> closing;
   for (auto& p : peers_) {
     if (!p) continue;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "signal.hpp"
+
 namespace cam {
 
 void Backoff::pause() {
@@ -30,6 +32,26 @@ void Backoff::pause() {
   }
   timespec ts{0, long(sleep_us_) * 1000};
   nanosleep(&ts, nullptr);
+}
+
+std::string wait_for_signal(const uint64_t& counter, int64_t target, double timeout_s, Backoff& backoff,
+                            int64_t liveness_interval_ms, const std::function<std::string()>& peer_problem) {
+  auto reached = [&] { return int64_t(signal_acquire(counter)) >= target; };
+  if (reached()) return {};
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + std::chrono::microseconds(int64_t(timeout_s * 1e6));
+  auto next_check = start + std::chrono::milliseconds(liveness_interval_ms);
+  while (!reached()) {
+    backoff.pause();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_check) {
+      next_check = now + std::chrono::milliseconds(liveness_interval_ms);
+      std::string problem = peer_problem();
+      if (!problem.empty() && !reached()) return problem;
+    }
+    if (now >= until) return reached() ? std::string() : "timeout";
+  }
+  return {};
 }
 
 }  // namespace cam

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 
 namespace cam {
@@ -34,6 +35,13 @@ class Backoff {
   std::chrono::steady_clock::time_point start_;
   int64_t sleep_us_ = 0;
 };
+
+// Waits with `backoff` until counter (read with acquire order) reaches target: "" when it
+// does, "timeout" after timeout_s, or what peer_problem() says (asked every liveness interval
+// while the counter is short) when the peer that should raise it is gone. The one shape of a
+// wait for a peer's signal, whatever tells that the peer is alive.
+std::string wait_for_signal(const uint64_t& counter, int64_t target, double timeout_s, Backoff& backoff,
+                            int64_t liveness_interval_ms, const std::function<std::string()>& peer_problem);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
