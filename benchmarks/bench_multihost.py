@@ -273,10 +273,15 @@ def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
                  for f in (cam, lambda: a2a(gloo), lambda: a2a(None)))
         if not all_ok(ok, gloo):
             raise RuntimeError(f"bench_multihost: MoE outputs disagree at {nbytes} bytes per rank")
-        rows.append({"op": "moe", "bytes": T * 2 * MOE_HIDDEN,
-                     "cam_s": timed_slowest(cam, gloo, args.samples),
-                     "gloo_s": timed_slowest(lambda: a2a(gloo), gloo, args.samples),
-                     "a2a_cam_s": timed_slowest(lambda: a2a(None), gloo, args.samples)})
+        row = {"op": "moe", "bytes": T * 2 * MOE_HIDDEN, "cam_s": timed_slowest(cam, gloo, args.samples),
+               "gloo_s": timed_slowest(lambda: a2a(gloo), gloo, args.samples),
+               "a2a_cam_s": timed_slowest(lambda: a2a(None), gloo, args.samples)}
+        # The same with every dispatch row sent straight to its receiver (no two hops).
+        moe = torch_cam.moe_hosts.moe_backend(dist.group.WORLD)
+        auto, moe.two_hop_min_bytes = moe.two_hop_min_bytes, 1 << 62
+        row["direct_s"] = timed_slowest(cam, gloo, args.samples)
+        moe.two_hop_min_bytes = auto
+        rows.append(row)
     return rows
 
 
@@ -423,16 +428,20 @@ def table(rate: str, res: dict) -> list[str]:
     moe = [r for r in res["rows"] if r["op"] == "moe"]
     if moe:
         lines += ["", f"MoE dispatch + combine (bf16 rows of {MOE_HIDDEN * 2} B, top-{MOE_TOPK} of {MOE_EXPERTS} "
-                  "experts), against the all-to-all token dispatcher over flat gloo and over cam's all_to_all_single:",
+                  "experts), against the all-to-all token dispatcher over flat gloo and over cam's all_to_all_single; "
+                  "\"cam direct\": every dispatch row straight to its receiver (cam takes two hops from "
+                  "1 MiB of rows between hosts):",
                   "",
-                  "| rows per rank | cam ms | a2a over gloo ms | a2a over cam ms | gloo / cam | a2a over cam / cam | "
-                  "cam link GB/s | of raw stream |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| rows per rank | cam ms | cam direct ms | a2a over gloo ms | a2a over cam ms | gloo / cam | "
+                  "a2a over cam / cam | direct / cam | cam link GB/s | of raw stream |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in moe:
             link = moe_link_bytes(r["bytes"]) / r["cam_s"]
-            lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
+            direct = r.get("direct_s", float("nan"))
+            lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {direct * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
                          f"{r['a2a_cam_s'] * 1e3:.3f} | {r['gloo_s'] / r['cam_s']:.2f}x | "
-                         f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {link / 1e9:.3f} | {link / stream:.0%} |")
+                         f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {direct / r['cam_s']:.2f}x | {link / 1e9:.3f} | "
+                         f"{link / stream:.0%} |")
     weights = [r for r in res["rows"] if r["op"] == "weights"]
     if weights:
         lines += ["", f"RL weights: host 0's {PER_HOST} trainers (TP {PER_HOST}) to a whole replica on each of host 1's "

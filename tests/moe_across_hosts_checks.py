@@ -54,11 +54,16 @@ def check_moe(rank: int, world: int) -> list[str]:
     bad = []
     # Counts past the room in the header exchange take a second all-gather: run a few cases so.
     room = moe.inline_ints
-    runs = ((MoeCases, MOE_CASES, room), (BufferCases, BUFFER_CASES, room),
+    direct = moe.two_hop_min_bytes
+    runs = [(MoeCases, MOE_CASES, room, direct), (BufferCases, BUFFER_CASES, room, direct),
             (MoeCases, ("test_dispatch_combine_basic", "test_many_local_experts_and_empty_experts",
-                        "test_invalid_inputs_fail_everywhere"), 2))
-    for cls, names, inline in runs:
+                        "test_invalid_inputs_fail_everywhere"), 2, direct)]
+    if moe.two_hop_possible:  # every dispatch in two hops (rows cross to the rail peer, then shm)
+        runs += [(MoeCases, MOE_CASES, room, 0), (BufferCases, BUFFER_CASES, room, 0)]
+    for cls, names, inline, two_hop_min in runs:
         moe.inline_ints = inline
+        moe.two_hop_min_bytes = two_hop_min
+        hops_before = moe.stats()["two_hop_dispatches"]
         case = _on_world(cls)
         for name in names:
             if name == "test_invalid_inputs_fail_everywhere" and world % 3 == 0:
@@ -69,9 +74,15 @@ def check_moe(rank: int, world: int) -> list[str]:
             except Exception as e:  # noqa: BLE001
                 bad.append(f"rank {rank} {cls.__name__}.{name}: {type(e).__name__}: {e}")
             took = time.monotonic() - start
+            hops = moe.stats()["two_hop_dispatches"] - hops_before
+            moves_rows = not any(w in name for w in ("invalid", "fails_everywhere", "layout"))
+            if two_hop_min == 0 and moves_rows and hops == 0:
+                bad.append(f"rank {rank} {cls.__name__}.{name}: no dispatch took two hops")
+            hops_before += hops
             if rank == 0:
-                print(f"moe across hosts: {name} {took:.2f} s", flush=True)
-    moe.inline_ints = room
+                print(f"moe across hosts: {name}{' (two hops)' if two_hop_min == 0 else ''} {took:.2f} s",
+                      flush=True)
+    moe.inline_ints, moe.two_hop_min_bytes = room, direct
     return bad
 
 

@@ -122,13 +122,23 @@ class HierarchicalBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  // For an extension that composes its own exchange from this group's parts (MoE's two-hop
+  // dispatch): run() executes body on the worker, in issue order with the group's collectives,
+  // as one op called `name` (a failure fails the group, as any op's does), and returns when it
+  // is done. Inside a body, host_alltoall is an all_to_all_single on this host's cam group
+  // (splits by local index) and rail_alltoall one on this rank's rail (splits by host; uniform
+  // hosts only).
+  using Body = std::function<void()>;
+  void run(const std::string& name, Body body);
+  void host_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits, std::vector<int64_t> in_splits);
+  void rail_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits, std::vector<int64_t> in_splits);
+
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
   void abort() override { shutdown(); }
 
  private:
-  using Body = std::function<void()>;
   // Queues body on the worker; the Work's result is `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string name, std::vector<at::Tensor> outputs,
                                          Body body);

@@ -608,6 +608,19 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall(std::vector<at::Ten
   });
 }
 
+void HierarchicalBackend::run(const std::string& name, Body body) { enqueue(c10d::OpType::UNKNOWN, name, {}, std::move(body))->wait(); }
+
+void HierarchicalBackend::host_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                                        std::vector<int64_t> in_splits) {
+  local_step(local_->alltoall_base(out, in, out_splits, in_splits, c10d::AllToAllOptions()));
+}
+
+void HierarchicalBackend::rail_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits,
+                                        std::vector<int64_t> in_splits) {
+  TORCH_CHECK(inter_.rail, "cam: a rail all_to_all needs hosts of equal size");
+  inter_step(inter_.rail->alltoall_base(out, in, out_splits, in_splits, c10d::AllToAllOptions()));
+}
+
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::barrier(const c10d::BarrierOptions&) {
   return enqueue(c10d::OpType::BARRIER, "barrier", {}, [this] { barrier_all(); });
 }

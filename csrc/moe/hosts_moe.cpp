@@ -5,6 +5,7 @@
 #include <numeric>
 #include <optional>
 
+#include "../backend/hierarchical_backend.hpp"
 #include "../core/errors.hpp"
 #include "gathered_rows.hpp"
 
@@ -76,6 +77,161 @@ enum CombineField { kRows, kCombineHidden, kSegments, kCombineDtype, kCombineQua
 HostsMoe::HostsMoe(c10::intrusive_ptr<c10d::Backend> group, int rank, int size)
     : group_(std::move(group)), rank_(rank), size_(size) {
   TORCH_CHECK(group_, "cam moe: HostsMoe needs the group's backend");
+  if (auto* h = dynamic_cast<HierarchicalBackend*>(group_.get())) {
+    const HostMap& m = h->host_map();
+    if (m.uniform() && m.max_local() > 1) {
+      hier_ = h;
+      host_of_ = m.host_of;
+      local_of_ = m.local_of;
+      host_ranks_ = m.ranks;
+    }
+  }
+}
+
+void HostsMoe::set_two_hop_min_bytes(int64_t n) {
+  TORCH_CHECK(n >= 0, "cam moe: two_hop_min_bytes must be >= 0, got ", n);
+  two_hop_min_bytes_ = n;
+}
+
+std::vector<int64_t> HostsMoe::tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& send_rows,
+                                               int64_t tokens) const {
+  std::vector<int64_t> at(size_t(size_) + 1, 0);  // where each destination's records start
+  for (int d = 0; d < size_; ++d) at[size_t(d) + 1] = at[size_t(d)] + send_rows[size_t(d)];
+  std::vector<int64_t> out(host_ranks_.size(), 0);
+  std::vector<int32_t> counted(size_t(tokens), -1);  // the host a token was last counted for
+  for (size_t h = 0; h < host_ranks_.size(); ++h) {
+    if (int(h) == host_of_[size_t(rank_)]) continue;  // this host's ranks get their rows directly
+    for (int d : host_ranks_[h]) {
+      for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
+        int32_t& mark = counted[size_t(sent[size_t(r)].token)];
+        if (mark != int32_t(h)) mark = int32_t(h), ++out[h];
+      }
+    }
+  }
+  return out;
+}
+
+bool HostsMoe::two_hop(const Agreed& g, const RowsTo& rows_to, int64_t payload) const {
+  if (hier_ == nullptr) return false;
+  int64_t between = 0;  // rows that cross a link when each goes straight to its receiver
+  for (int s = 0; s < size_; ++s)
+    for (int d = 0; d < size_; ++d)
+      if (host_of_[size_t(s)] != host_of_[size_t(d)]) between += rows_to(s, d);
+  return between * payload >= two_hop_min_bytes_;
+}
+
+at::Tensor HostsMoe::dispatch_two_hop(const at::Tensor& send, const std::vector<Sent>& sent,
+                                      const std::vector<int64_t>& send_rows, const Agreed& g, const RowsTo& rows_to,
+                                      int64_t payload, std::vector<int>& order) {
+  const int W = size_, me = rank_;
+  const int hosts = int(host_ranks_.size()), per_host = int(host_ranks_[0].size());
+  const int hm = host_of_[size_t(me)], lm = local_of_[size_t(me)];
+  const int64_t rec = send.size(1), tail = rec - payload;
+  const int64_t desc = 8 + tail;  // receiver's local index, payload index, then the record's tail
+  const int64_t tokens_at = g.heads[size_t(me)][kExperts] + g.heads[size_t(me)][kShared];
+  std::vector<int64_t> at(size_t(W) + 1, 0);  // where each destination's records start in `send`
+  for (int d = 0; d < W; ++d) at[size_t(d) + 1] = at[size_t(d)] + send_rows[size_t(d)];
+  const uint8_t* records = send.data_ptr<uint8_t>();
+  auto to_host = [&](int s, int h) {  // records s sends the ranks of host h
+    int64_t n = 0;
+    for (int d : host_ranks_[size_t(h)]) n += rows_to(s, d);
+    return n;
+  };
+
+  // Hop 1, over this rank's rail: per other host, each token's payload once, then a
+  // descriptor per record (in the order of its receivers' local indices).
+  std::vector<int64_t> in_a(hosts, 0), out_a(hosts, 0);
+  for (int h = 0; h < hosts; ++h) {
+    if (h == hm) continue;
+    in_a[size_t(h)] = g.extras[size_t(me)][size_t(tokens_at + h)] * payload + to_host(me, h) * desc;
+    const int s = host_ranks_[size_t(h)][size_t(lm)];
+    out_a[size_t(h)] = g.extras[size_t(s)][size_t(tokens_at + hm)] * payload + to_host(s, hm) * desc;
+  }
+  at::Tensor rail_send = at::empty({std::accumulate(in_a.begin(), in_a.end(), int64_t(0))}, at::kByte);
+  {
+    uint8_t* o = rail_send.data_ptr<uint8_t>();
+    int32_t max_token = 0;
+    for (const Sent& r : sent) max_token = std::max(max_token, r.token);
+    std::vector<int32_t> index(size_t(max_token) + 1);
+    for (int h = 0; h < hosts; ++h) {
+      if (h == hm) continue;
+      std::fill(index.begin(), index.end(), -1);
+      int32_t unique = 0;
+      for (int d : host_ranks_[size_t(h)])  // payloads, in order of first use
+        for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r)
+          if (index[size_t(sent[size_t(r)].token)] < 0) {
+            index[size_t(sent[size_t(r)].token)] = unique++;
+            std::memcpy(o, records + r * rec, size_t(payload));
+            o += payload;
+          }
+      TORCH_CHECK(unique == g.extras[size_t(me)][size_t(tokens_at + h)], "cam moe_dispatch on rank ", me,
+                  ": counted ", g.extras[size_t(me)][size_t(tokens_at + h)], " tokens for host ", h, ", packed ",
+                  unique);
+      for (int d : host_ranks_[size_t(h)])
+        for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
+          const int32_t head[2] = {int32_t(local_of_[size_t(d)]), index[size_t(sent[size_t(r)].token)]};
+          std::memcpy(o, head, 8);
+          std::memcpy(o + 8, records + r * rec + payload, size_t(tail));
+          o += desc;
+        }
+    }
+  }
+
+  // Hop 2, over this host's shared memory: to each rank of this host, from every host h, the
+  // records of the rank of this rank's local index on h (this rank's own for this host).
+  std::vector<int64_t> in_b(per_host, 0), out_b(per_host, 0);
+  for (int l = 0; l < per_host; ++l) {
+    const int d = host_ranks_[size_t(hm)][size_t(l)];
+    for (int h = 0; h < hosts; ++h) {
+      in_b[size_t(l)] += rows_to(host_ranks_[size_t(h)][size_t(lm)], d) * rec;
+      out_b[size_t(l)] += rows_to(host_ranks_[size_t(h)][size_t(l)], me) * rec;
+    }
+  }
+  at::Tensor recv = at::empty({std::accumulate(out_b.begin(), out_b.end(), int64_t(0))}, at::kByte);
+  try {
+    hier_->run("moe_dispatch (two hops)", [&] {
+      at::Tensor rail_recv = at::empty({std::accumulate(out_a.begin(), out_a.end(), int64_t(0))}, at::kByte);
+      hier_->rail_alltoall(rail_recv, rail_send, out_a, in_a);
+      at::Tensor host_send = at::empty({std::accumulate(in_b.begin(), in_b.end(), int64_t(0))}, at::kByte);
+      uint8_t* o = host_send.data_ptr<uint8_t>();
+      std::vector<const uint8_t*> block(hosts, nullptr);  // hop 1's block from each host
+      const uint8_t* r = rail_recv.data_ptr<uint8_t>();
+      for (int h = 0; h < hosts; ++h) block[size_t(h)] = r, r += out_a[size_t(h)];
+      std::vector<int64_t> next(hosts, 0);  // descriptors of each host's block used so far
+      for (int l = 0; l < per_host; ++l) {
+        const int d = host_ranks_[size_t(hm)][size_t(l)];
+        for (int h = 0; h < hosts; ++h) {
+          const int s = host_ranks_[size_t(h)][size_t(lm)];
+          const int64_t rows = rows_to(s, d);
+          if (s == me) {
+            std::memcpy(o, records + at[size_t(d)] * rec, size_t(rows * rec));
+            o += rows * rec;
+            continue;
+          }
+          const uint8_t* payloads = block[size_t(h)];
+          const uint8_t* descs = payloads + g.extras[size_t(s)][size_t(tokens_at + hm)] * payload;
+          for (int64_t k = 0; k < rows; ++k, ++next[size_t(h)]) {
+            const uint8_t* dsc = descs + next[size_t(h)] * desc;
+            int32_t head[2];
+            std::memcpy(head, dsc, 8);
+            TORCH_CHECK(head[0] == l && head[1] >= 0 && head[1] < g.extras[size_t(s)][size_t(tokens_at + hm)],
+                        "rank ", s, " sent a record for local rank ", head[0], " (payload ", head[1],
+                        ") where this rank expects one for local rank ", l);
+            std::memcpy(o, payloads + int64_t(head[1]) * payload, size_t(payload));
+            std::memcpy(o + payload, dsc + 8, size_t(tail));
+            o += rec;
+          }
+        }
+      }
+      hier_->host_alltoall(recv, host_send, out_b, in_b);
+    });
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "cam moe_dispatch on rank ", rank_, ": ", e.what());
+  }
+  order.clear();
+  for (int l = 0; l < per_host; ++l)
+    for (int h = 0; h < hosts; ++h) order.push_back(host_ranks_[size_t(h)][size_t(l)]);
+  return recv.view({recv.numel() / rec, rec});
 }
 
 void HostsMoe::set_inline_ints(int64_t n) {
@@ -345,33 +501,37 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
       for (int64_t t = lo; t < hi; ++t) counts[M + d] += active[t];
     }
   }
-  const Agreed g = agree("moe_dispatch", header, c.error, counts);
-  check_dispatch_headers(g.heads);
-  check_capacity(g, M, S, L);
 
   // The rows this rank sends, in destination order: each shared rank's chunk of active tokens,
   // then the routed entries grouped by expert, (token, slot) order within an expert.
-  struct Sent {
-    int32_t token, slot;
-  };
   std::vector<Sent> sent;
   std::vector<int64_t> send_rows(W, 0);
-  for (int64_t d = 0; d < S; ++d) {
-    if (me != d && me < S) continue;
-    const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
-    for (int64_t t = lo; t < hi; ++t)
-      if (active[t]) sent.push_back({int32_t(t), -1});
-    send_rows[d] = counts[M + d];
+  if (c.ok()) {
+    for (int64_t d = 0; d < S; ++d) {
+      if (me != d && me < S) continue;
+      const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
+      for (int64_t t = lo; t < hi; ++t)
+        if (active[t]) sent.push_back({int32_t(t), -1});
+      send_rows[d] = counts[M + d];
+    }
+    std::vector<int64_t> fill(size_t(M + 1), 0);
+    for (int64_t e = 0; e < M; ++e) fill[e + 1] = fill[e] + counts[e];
+    const size_t routed_at = sent.size();
+    sent.resize(routed_at + size_t(fill[M]));
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int32_t e = ids[i];
+      if (e >= 0 && e < M) sent[routed_at + size_t(fill[e]++)] = {int32_t(i / K), int32_t(i % K)};
+    }
+    for (int64_t e = 0; e < M; ++e) send_rows[S + e / L] += counts[e];
+    // Where two hops are possible, every rank also says how many distinct tokens it sends each host.
+    if (hier_) {
+      const auto tokens = tokens_per_host(sent, send_rows, T);
+      counts.insert(counts.end(), tokens.begin(), tokens.end());
+    }
   }
-  std::vector<int64_t> fill(size_t(M + 1), 0);
-  for (int64_t e = 0; e < M; ++e) fill[e + 1] = fill[e] + counts[e];
-  const size_t routed_at = sent.size();
-  sent.resize(routed_at + size_t(fill[M]));
-  for (int64_t i = 0; i < T * K; ++i) {
-    const int32_t e = ids[i];
-    if (e >= 0 && e < M) sent[routed_at + size_t(fill[e]++)] = {int32_t(i / K), int32_t(i % K)};
-  }
-  for (int64_t e = 0; e < M; ++e) send_rows[S + e / L] += counts[e];
+  const Agreed g = agree("moe_dispatch", header, c.error, counts);
+  check_dispatch_headers(g.heads);
+  check_capacity(g, M, S, L);
 
   // One record per row: the row (or int8 + scale), side data, weight, token and slot.
   const bool has_w = a.weights.defined();
@@ -408,54 +568,62 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
       s += rec;
     }
   }
+  // Rows rank s sends rank d, from everyone's counts.
+  auto rows_to = [&](int s, int d) {
+    if (d < S) return g.extras[s][M + d];
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; ++j) n += g.extras[s][(d - S) * L + j];
+    return n;
+  };
   std::vector<int64_t> recv_rows(W, 0);
-  for (int p = 0; p < W; ++p) {
-    if (me < S) {
-      recv_rows[p] = g.extras[p][M + me];
-    } else {
-      for (int64_t j = 0; j < L; ++j) recv_rows[p] += g.extras[p][(me - S) * L + j];
-    }
-  }
-  const at::Tensor recv = exchange_rows("moe_dispatch", send, send_rows, recv_rows, rec);
+  for (int p = 0; p < W; ++p) recv_rows[p] = rows_to(p, me);
+  // The sources' blocks lie in `order` in what arrives: rank order, or by forwarder with two hops.
+  std::vector<int> order(W);
+  std::iota(order.begin(), order.end(), 0);
+  const bool hops = two_hop(g, rows_to, row_len + aux_bytes);
+  const at::Tensor recv = hops ? dispatch_two_hop(send, sent, send_rows, g, rows_to, row_len + aux_bytes, order)
+                               : exchange_rows("moe_dispatch", send, send_rows, recv_rows, rec);
+  ++(hops ? two_hop_dispatches_ : direct_dispatches_);
 
   // Where each received row goes (a source's rows arrive in expert order), and ep_recv_counts.
   const int64_t n = recv.size(0);
   std::vector<int64_t> pos(static_cast<size_t>(n)), src(static_cast<size_t>(n)), smooth_row(static_cast<size_t>(n), 0);
   int32_t* out_counts = a.out_counts.data_ptr<int32_t>();
+  std::vector<int64_t> block(size_t(W * (me < S ? 1 : L)));  // [src][j]: where src's rows of expert j start
   if (me < S) {
-    std::iota(pos.begin(), pos.end(), int64_t(0));
     for (int64_t ch = 0; ch < S; ++ch) {
       int64_t own = 0;
       for (int64_t t = 0; t < shared_lo(me, ch + 1, T, S); ++t) own += active[t];
       out_counts[ch] = int32_t(own);
     }
-    int64_t running = 0, i = 0;
+    int64_t running = 0;
     for (int p = 0; p < W; ++p) {
+      block[size_t(p)] = running;  // a shared rank's rows lie in source order
       running += recv_rows[p];
       if (p >= S) out_counts[p] = int32_t(running);
-      for (int64_t k = 0; k < recv_rows[p]; ++k) src[size_t(i++)] = p;
     }
   } else {
-    auto C = [&](int p, int64_t j) { return g.extras[p][(me - S) * L + j]; };
-    std::vector<int64_t> block(size_t(W * L));  // [src][j]: where source src's rows of expert j start
     int64_t running = 0;
     for (int64_t j = 0; j < L; ++j) {
       int64_t before_src = 0;  // rows of expert j from earlier sources
       for (int p = 0; p < W; ++p) {
+        const int64_t rows = g.extras[p][(me - S) * L + j];
         block[size_t(p * L + j)] = a.slab_rows > 0 ? j * a.slab_rows + before_src : running;
-        before_src += C(p, j);
-        running += C(p, j);
+        before_src += rows;
+        running += rows;
         out_counts[j * W + p] = int32_t(running);
       }
     }
-    int64_t i = 0;
-    for (int p = 0; p < W; ++p) {
-      for (int64_t j = 0; j < L; ++j) {
-        for (int64_t k = 0; k < C(p, j); ++k, ++i) {
-          pos[size_t(i)] = block[size_t(p * L + j)] + k;
-          src[size_t(i)] = p;
-          smooth_row[size_t(i)] = (me - S) * L + j + a.smooth_shift;
-        }
+  }
+  int64_t i = 0;
+  for (int p : order) {
+    const int64_t groups = me < S ? 1 : L;
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t rows = me < S ? recv_rows[p] : g.extras[p][(me - S) * L + j];
+      for (int64_t k = 0; k < rows; ++k, ++i) {
+        pos[size_t(i)] = block[size_t(p * groups + j)] + k;
+        src[size_t(i)] = p;
+        if (me >= S) smooth_row[size_t(i)] = (me - S) * L + j + a.smooth_shift;
       }
     }
   }

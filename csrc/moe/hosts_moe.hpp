@@ -24,10 +24,15 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <array>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "moe_ops.hpp"
+
+namespace cam {
+class HierarchicalBackend;
+}
 
 namespace cam::moe {
 
@@ -53,6 +58,15 @@ class HostsMoe {
   // Counts that ride inline in the first all-gather (tests lower it to exercise the second).
   int64_t inline_ints() const { return inline_ints_; }
   void set_inline_ints(int64_t n);
+  // Dispatch rows cross hosts in two hops (see dispatch_two_hop) when the group's hosts hold
+  // equally many ranks, more than one each, and the bytes between hosts reach this.
+  static constexpr int64_t kTwoHopMinBytes = 1 << 20;
+  int64_t two_hop_min_bytes() const { return two_hop_min_bytes_; }
+  void set_two_hop_min_bytes(int64_t n);
+  bool two_hop_possible() const { return hier_ != nullptr; }
+  // Dispatches so far that took two hops, and that went straight to their receivers.
+  int64_t two_hop_dispatches() const { return two_hop_dispatches_; }
+  int64_t direct_dispatches() const { return direct_dispatches_; }
 
  private:
   using Header = std::array<int64_t, kHeaderInts>;
@@ -68,12 +82,37 @@ class HostsMoe {
   // all_to_all_single of (rows, width) uint8 by row counts per peer.
   at::Tensor exchange_rows(const std::string& op, const at::Tensor& send, const std::vector<int64_t>& send_rows,
                            const std::vector<int64_t>& recv_rows, int64_t width);
+  // A row a rank sends: its token and routing slot (-1: a shared-expert row); the 8 bytes that
+  // end every dispatch record.
+  struct Sent {
+    int32_t token, slot;
+  };
+  using RowsTo = std::function<int64_t(int src, int dst)>;
+  // Distinct tokens of `sent` (in destination order, send_rows per rank) bound for each host.
+  std::vector<int64_t> tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& send_rows,
+                                       int64_t tokens) const;
+  // Whether this dispatch takes two hops: decided from the agreed counts, alike on every rank.
+  bool two_hop(const Agreed& g, const RowsTo& rows_to, int64_t payload) const;
+  // The dispatch records this rank receives, when each row crosses to another host once: to
+  // the rank of this rank's local index there (rail), carrying its token's row (payload bytes)
+  // once and a short descriptor per record, and that rank rebuilds the records and forwards
+  // them over its host's shared memory. Blocks arrive by forwarder, then host: `order` says
+  // whose.
+  at::Tensor dispatch_two_hop(const at::Tensor& send, const std::vector<Sent>& sent,
+                              const std::vector<int64_t>& send_rows, const Agreed& g, const RowsTo& rows_to,
+                              int64_t payload, std::vector<int>& order);
   void check_dispatch_headers(const std::vector<Header>& heads) const;
   void check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) const;
 
   c10::intrusive_ptr<c10d::Backend> group_;
   int rank_, size_;
   int64_t inline_ints_ = kInlineInts;
+  int64_t two_hop_min_bytes_ = kTwoHopMinBytes;
+  int64_t two_hop_dispatches_ = 0, direct_dispatches_ = 0;
+  // Hosts of equal size, more than one rank each (else null): where two hops can pay.
+  HierarchicalBackend* hier_ = nullptr;
+  std::vector<int> host_of_, local_of_;
+  std::vector<std::vector<int>> host_ranks_;
 };
 
 }  // namespace cam::moe

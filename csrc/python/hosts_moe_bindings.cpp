@@ -24,6 +24,10 @@ void bind_hosts_moe(py::module& m) {
       .def_property_readonly("size", &HostsMoe::size)
       .def_property("inline_ints", &HostsMoe::inline_ints, &HostsMoe::set_inline_ints,
                     "Counts that ride inline in the first all-gather; longer ones take a second")
+      .def_property("two_hop_min_bytes", &HostsMoe::two_hop_min_bytes, &HostsMoe::set_two_hop_min_bytes,
+                    "Dispatch bytes between hosts from which rows cross in two hops (where hosts allow it)")
+      .def_property_readonly("two_hop_possible", &HostsMoe::two_hop_possible,
+                             "Whether this group's hosts allow two hops (equal sizes, more than one rank each)")
       .def(
           "refuse",
           [](HostsMoe& h, const std::string& kind, const std::string& op, const std::string& reason) {
@@ -44,7 +48,15 @@ void bind_hosts_moe(py::module& m) {
             return at::empty(sizes, reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
           },
           py::arg("sizes"), py::arg("dtype"), "An MoE output tensor")
-      .def("stats", [](HostsMoe&) { return py::dict(); }, "Nothing is staged across hosts: {}");
+      .def(
+          "stats",
+          [](HostsMoe& h) {
+            py::dict d;
+            d["two_hop_dispatches"] = h.two_hop_dispatches();
+            d["direct_dispatches"] = h.direct_dispatches();
+            return d;
+          },
+          "Dispatches so far by path (nothing is staged across hosts)");
   cam::python::def_moe_ops(
       cls,
       [](HostsMoe& h, cam::MoeDispatchArgs a, std::chrono::milliseconds) {
