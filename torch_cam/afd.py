@@ -25,9 +25,11 @@ raises the slot's counter; every FFN rank pulls the rows of its experts straight
 its grouped buffer; ``send_outputs`` sums each token's weighted expert outputs in fp32 and writes
 that partial row straight into the owning attention rank's receive area, then raises a done
 counter; ``recv`` adds a token's partials in one pass. (Weights given only at ``recv``: the rows
-themselves travel back and ``recv`` weights them.) Nothing is allocated per call once buffers have grown to the largest batch seen; the only
-synchronisation is those counters, so an attention rank computes micro-batch k+1 while the FFN
-ranks work on k.
+themselves travel back and ``recv`` weights them.) Nothing is allocated per call once buffers
+have grown to the largest batch seen; the only synchronisation is those counters, so an
+attention rank computes micro-batch k+1 while the FFN ranks work on k. Across hosts the same
+moves are UCX puts and gets, and each side waits on counters in its own memory (docs/afd.md,
+"Across hosts").
 
 Errors: bad input raises on the rank that passed it and on every rank waiting for that message
 (its peers learn through the message header or the FFN's status line), naming the op, the ranks,
@@ -556,12 +558,11 @@ class AfdChannel:
         self._next += 1
         self._fetch(op, s, n, heads, texts=True)
         problem = self._check_headers(heads, n, layer, micro_batch, quant)
-        if problem is None:
-            self._fetch(op, s, n, heads, texts=False)
         if problem is not None:
             self._fail_message(s, n, problem)
             self._pending[s] = None
             raise AfdError(f"{self._where(op)}: message {n}: {problem}")
+        self._fetch(op, s, n, heads, texts=False)
         lay, mb, q, weighted = heads[0][_H_LAYER], heads[0][_H_MB], bool(heads[0][_H_QUANT]), bool(heads[0][_H_WEIGHTED])
         sizes = [h[_H_BS] for h in heads]
         for a, slot_set in enumerate(self._peer_slots):   # every FFN rank judges every message alike
@@ -644,7 +645,7 @@ class AfdChannel:
         for a in range(self.M):
             _C.signal_store(self._done, (s * self.M + a) * (_LINE // 8), n)
         self._backend.ring_parked_peers()
-        self._answer_far("fail", s, None, failed=True)
+        self._answer_far("failure report", s, None, failed=True)
 
     def _groups(self) -> int:
         return self.cfg.experts_per_rank + (1 if self.cfg.shared_expert else 0)

@@ -20,7 +20,9 @@ at ``register`` (its storage, not the tensor object: the values, shape and the o
 optimizer holds stay; see ``register``). Rollout ranks read those pages in place, so a transfer
 is one copy per rollout byte, straight from the trainer's parameter into the engine's tensor with
 the reshard and the cast done inside it. Every replica reads the same trainer pages: the trainers
-write nothing per replica, and no rank forwards.
+write nothing per replica, and no rank forwards. Across hosts a rollout reads a trainer of
+another host with UCX gets into a landing buffer, a group of tensors at a time, and copies from
+there the same way.
 
 Versions are atomic: nothing is written into a rollout tensor before every rank has entered the
 call with the same version and names and checked the whole plan (the commit point), and what a
