@@ -282,7 +282,7 @@ class WeightChannel:
         # over UCX (self._link): their pages land in a buffer, a group of tensors at a time.
         peers = HostPeers(self.group, f"torch_cam WeightChannel on rank {self.rank}")
         self._backend, self._local_of = peers.backend, peers.near
-        self._remote, self._placeholders = {}, []  # while planning: placeholders of other hosts' pages
+        self._remote = {}  # while planning: id of a placeholder of another host's pages -> (trainer, meta)
         local_error = None
         try:
             trainers = [int(r) for r in trainers]
@@ -635,7 +635,7 @@ class WeightChannel:
 
     def _plan(self, op, version, names):
         """[steps of one rollout name] for every name this rank takes."""
-        self._remote, self._placeholders = {}, []
+        self._remote = {}
         metas = {r: self._peer_meta[r][1] for r in range(self.world)}
         rollouts = [r for rep in self.replicas for r in rep]
         every = set()
@@ -719,7 +719,7 @@ class WeightChannel:
             for s in steps:
                 _map_sources(s, landed)
             remote.append((reads, _balance(steps, self.copy_threads)))
-        self._remote, self._placeholders = {}, []  # every placeholder view is replaced
+        self._remote = {}  # every placeholder view is replaced
         return _Plan(_balance(local, self.copy_threads), remote, landing)
 
     def _replica_of(self, r):
@@ -774,8 +774,7 @@ class WeightChannel:
         _assemble points into the landing buffer."""
         if self._local_of[t] < 0:
             raw = torch.empty(sm.local_shape, dtype=sm.dtype, device="meta")
-            self._remote[id(raw)] = (t, sm)
-            self._placeholders.append(raw)  # ids stay unique while the plan is made
+            self._remote[id(raw)] = (t, sm)  # its views keep it (their _base) alive, so the id stays its own
         else:
             raw = self._backend.peer_arena_view(self._local_of[t], self._peer_meta[t][2][sm.name],
                                                 math.prod(sm.local_shape) * sm.dtype.itemsize)

@@ -165,6 +165,12 @@ class HierarchicalBackend : public c10d::Backend {
   // Arrivals and the release travel through the group's store (a debugging op: no data, and
   // a rank that never comes leaves nothing posted in any engine).
   void monitored_barrier_all(std::chrono::milliseconds timeout, bool wait_all_ranks);
+  // An all_gather / reduce_scatter list (one tensor per rank, `role` "output" or "input"):
+  // every tensor of `mine`'s dtype and this rank's of its size. Sets `sizes` and returns the
+  // block every rank's tensor is padded to (the largest); when the sizes differ, every rank's
+  // list is first compared with this rank's (check_same_sizes).
+  int64_t list_blocks(const std::vector<at::Tensor>& list, const at::Tensor& mine, const char* role, const char* other,
+                      const char* what, std::vector<int64_t>& sizes);
   // Every rank's `sizes` (one per rank of the group: an uneven list's block sizes), checked
   // equal to this rank's: padded ops would otherwise mix up blocks silently.
   void check_same_sizes(const std::vector<int64_t>& sizes, const char* what);

@@ -26,7 +26,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <thread>
 
 #include "../algo/collective.hpp"
 #include "../core/errors.hpp"
@@ -264,6 +263,21 @@ void HierarchicalBackend::reduce_scatter_rows(const at::Tensor& in_rows, at::Ten
   out.view(-1).copy_(block.narrow(0, int64_t(lr) * n, n));
 }
 
+int64_t HierarchicalBackend::list_blocks(const std::vector<at::Tensor>& list, const at::Tensor& mine, const char* role,
+                                         const char* other, const char* what, std::vector<int64_t>& sizes) {
+  TORCH_CHECK(list[size_t(rank_)].numel() == mine.numel(), role, " ", rank_, " (this rank's) holds ",
+              list[size_t(rank_)].numel(), " elements, expected the ", other, "'s ", mine.numel());
+  sizes.assign(size_t(size_), 0);
+  for (int g = 0; g < size_; ++g) {
+    TORCH_CHECK(list[size_t(g)].scalar_type() == mine.scalar_type(), role, " ", g, " is ",
+                list[size_t(g)].scalar_type(), " but the ", other, " is ", mine.scalar_type());
+    sizes[size_t(g)] = list[size_t(g)].numel();
+  }
+  const int64_t block = *std::max_element(sizes.begin(), sizes.end());
+  if (std::any_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n != block; })) check_same_sizes(sizes, what);
+  return block;
+}
+
 void HierarchicalBackend::check_same_sizes(const std::vector<int64_t>& sizes, const char* what) {
   at::Tensor mine = index_tensor(sizes);
   at::Tensor table = scratch(int64_t(size_) * size_, mine.options());
@@ -319,8 +333,8 @@ void HierarchicalBackend::monitored_barrier_all(std::chrono::milliseconds timeou
   }
   store_->set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
   const std::string released = prefix + "release";
+  const std::string waited = monitored_barrier_waiting_for(rank_, {}, wait_all_ranks, timeout.count());
   while (!store_->check({released})) {
-    const std::string waited = monitored_barrier_waiting_for(rank_, {}, wait_all_ranks, timeout.count());
     const std::string why = published_failure();
     TORCH_CHECK(why.empty(), "waited for ", waited, " (the group failed: ", why, ")");
     TORCH_CHECK(Clock::now() < deadline, "timeout after ", timeout.count(), " ms waiting for ", waited);
@@ -435,19 +449,11 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::allgather(std::vector<std::v
   return enqueue(c10d::OpType::ALLGATHER, "all_gather", result, [this, outputs, inputs] {
     const at::Tensor& in = the_one(inputs);
     const auto& outs = the_list(outputs, size_, "output");
-    TORCH_CHECK(outs[rank_].numel() == in.numel(), "output ", rank_, " (this rank's) holds ", outs[rank_].numel(),
-                " elements, expected the input's ", in.numel());
-    std::vector<int64_t> sizes(size_);
-    for (int g = 0; g < size_; ++g) {
-      TORCH_CHECK(outs[g].scalar_type() == in.scalar_type(), "output ", g, " is ", outs[g].scalar_type(),
-                  " but the input is ", in.scalar_type());
-      sizes[g] = outs[g].numel();
-    }
     // Uneven (each rank contributes its own size, as Megatron's expert-tensor-parallel
-    // dispatcher does): blocks padded to the largest, after every rank agreed on the sizes.
-    const int64_t block = *std::max_element(sizes.begin(), sizes.end());
+    // dispatcher does): blocks padded to the largest.
+    std::vector<int64_t> sizes;
+    const int64_t block = list_blocks(outs, in, "output", "input", "all_gather output sizes", sizes);
     const bool even = block == in.numel() && std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n == block; });
-    if (!even) check_same_sizes(sizes, "all_gather output sizes");
     at::Tensor mine = in.reshape({-1});
     if (!even) {
       mine = scratch(block, in.options());
@@ -520,19 +526,12 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::reduce_scatter(std::vector<a
                  [this, outputs, inputs, op = opts.reduceOp] {
                    const at::Tensor& out = the_one(outputs);
                    const auto& ins = the_list(inputs, size_, "input");
-                   TORCH_CHECK(ins[rank_].numel() == out.numel(), "input ", rank_, " (this rank's block) holds ",
-                               ins[rank_].numel(), " elements, expected the output's ", out.numel());
-                   std::vector<int64_t> sizes(size_);
-                   for (int g = 0; g < size_; ++g) {
-                     TORCH_CHECK(ins[g].scalar_type() == out.scalar_type(), "input ", g, " is ", ins[g].scalar_type(),
-                                 " but the output is ", out.scalar_type());
-                     sizes[g] = ins[g].numel();
-                   }
-                   // Uneven blocks: padded to the largest after every rank agreed on the sizes.
-                   const int64_t block = *std::max_element(sizes.begin(), sizes.end());
-                   const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n == block; });
-                   if (!even) check_same_sizes(sizes, "reduce_scatter input sizes");
-                   at::Tensor rows = at::empty({int64_t(size_) * block}, out.options());
+                   // Uneven blocks: padded to the largest.
+                   std::vector<int64_t> sizes;
+                   const int64_t block = list_blocks(ins, out, "input", "output", "reduce_scatter input sizes", sizes);
+                   const bool even = block == out.numel() &&
+                                     std::all_of(sizes.begin(), sizes.end(), [&](int64_t n) { return n == block; });
+                   at::Tensor rows = scratch(int64_t(size_) * block, out.options());
                    for (int g = 0; g < size_; ++g) {
                      at::Tensor row = rows.narrow(0, g * block, block);
                      row.narrow(0, 0, sizes[g]).copy_(ins[g].reshape({-1}));

@@ -3,52 +3,15 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
-#include <optional>
 
 #include "../backend/hierarchical_backend.hpp"
 #include "../core/errors.hpp"
+#include "../runtime/op_issuer.hpp"
 #include "gathered_rows.hpp"
+#include "moe_args.hpp"
 
 namespace cam::moe {
 namespace {
-
-// The first argument error of this rank's call, checked before anything is exchanged. A check
-// after the first error is not evaluated (it may read shapes an earlier check found wrong).
-class FirstError {
- public:
-  template <class Cond, class Msg>
-  bool need(Cond&& cond, Msg&& what) {
-    if (!error.empty()) return false;
-    if (cond()) return true;
-    error = what();
-    return false;
-  }
-  bool tensor(const at::Tensor& t, const char* name, std::optional<at::ScalarType> dtype, int64_t dim,
-              bool required = true) {
-    if (!t.defined()) {
-      return need([&] { return !required; }, [&] { return cam::str(name, " must be given"); });
-    }
-    if (!need([&] { return t.device().is_cpu() && t.layout() == at::kStrided; },
-              [&] { return cam::str(name, " must be a dense CPU tensor, got one on ", t.device()); })) {
-      return false;
-    }
-    return need([&] { return (!dtype || t.scalar_type() == *dtype) && t.dim() == dim && t.is_contiguous(); },
-                [&] {
-                  return cam::str(name, " must be a contiguous CPU ", dtype ? c10::toString(*dtype) : "tensor", " of ", dim,
-                             " dimension(s), got ", t.scalar_type(), " of shape ", t.sizes(),
-                             t.is_contiguous() ? "" : " (not contiguous)");
-                });
-  }
-  bool ok() const { return error.empty(); }
-  std::string error;
-};
-
-bool is_float_rows(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
-
-std::string dtype_name(int64_t code) {
-  return code >= 0 && code < int64_t(at::ScalarType::NumOptions) ? c10::toString(at::ScalarType(code))
-                                                                  : cam::str("dtype #", code);
-}
 
 // The shared-expert chunk of rank r's T tokens that goes to shared rank c of S (the rotation of
 // dispatch.cpp, which balances the remainder over the shared ranks).
@@ -79,12 +42,7 @@ HostsMoe::HostsMoe(c10::intrusive_ptr<c10d::Backend> group, int rank, int size)
   TORCH_CHECK(group_, "cam moe: HostsMoe needs the group's backend");
   if (auto* h = dynamic_cast<HierarchicalBackend*>(group_.get())) {
     const HostMap& m = h->host_map();
-    if (m.uniform() && m.max_local() > 1) {
-      hier_ = h;
-      host_of_ = m.host_of;
-      local_of_ = m.local_of;
-      host_ranks_ = m.ranks;
-    }
+    if (m.uniform() && m.max_local() > 1) hier_ = h, hosts_ = &m;
   }
 }
 
@@ -93,15 +51,13 @@ void HostsMoe::set_two_hop_min_bytes(int64_t n) {
   two_hop_min_bytes_ = n;
 }
 
-std::vector<int64_t> HostsMoe::tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& send_rows,
+std::vector<int64_t> HostsMoe::tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& at,
                                                int64_t tokens) const {
-  std::vector<int64_t> at(size_t(size_) + 1, 0);  // where each destination's records start
-  for (int d = 0; d < size_; ++d) at[size_t(d) + 1] = at[size_t(d)] + send_rows[size_t(d)];
-  std::vector<int64_t> out(host_ranks_.size(), 0);
+  std::vector<int64_t> out(hosts_->ranks.size(), 0);
   std::vector<int32_t> counted(size_t(tokens), -1);  // the host a token was last counted for
-  for (size_t h = 0; h < host_ranks_.size(); ++h) {
-    if (int(h) == host_of_[size_t(rank_)]) continue;  // this host's ranks get their rows directly
-    for (int d : host_ranks_[h]) {
+  for (size_t h = 0; h < hosts_->ranks.size(); ++h) {
+    if (int(h) == hosts_->host_of[size_t(rank_)]) continue;  // this host's ranks get their rows directly
+    for (int d : hosts_->ranks[h]) {
       for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
         int32_t& mark = counted[size_t(sent[size_t(r)].token)];
         if (mark != int32_t(h)) mark = int32_t(h), ++out[h];
@@ -116,121 +72,135 @@ bool HostsMoe::two_hop(const Agreed& g, const RowsTo& rows_to, int64_t payload) 
   int64_t between = 0;  // rows that cross a link when each goes straight to its receiver
   for (int s = 0; s < size_; ++s)
     for (int d = 0; d < size_; ++d)
-      if (host_of_[size_t(s)] != host_of_[size_t(d)]) between += rows_to(s, d);
+      if (hosts_->host_of[size_t(s)] != hosts_->host_of[size_t(d)]) between += rows_to(s, d);
   return between * payload >= two_hop_min_bytes_;
 }
 
-at::Tensor HostsMoe::dispatch_two_hop(const at::Tensor& send, const std::vector<Sent>& sent,
-                                      const std::vector<int64_t>& send_rows, const Agreed& g, const RowsTo& rows_to,
-                                      int64_t payload, std::vector<int>& order) {
-  const int W = size_, me = rank_;
-  const int hosts = int(host_ranks_.size()), per_host = int(host_ranks_[0].size());
-  const int hm = host_of_[size_t(me)], lm = local_of_[size_t(me)];
-  const int64_t rec = send.size(1), tail = rec - payload;
-  const int64_t desc = 8 + tail;  // receiver's local index, payload index, then the record's tail
-  const int64_t tokens_at = g.heads[size_t(me)][kExperts] + g.heads[size_t(me)][kShared];
-  std::vector<int64_t> at(size_t(W) + 1, 0);  // where each destination's records start in `send`
-  for (int d = 0; d < W; ++d) at[size_t(d) + 1] = at[size_t(d)] + send_rows[size_t(d)];
-  const uint8_t* records = send.data_ptr<uint8_t>();
-  auto to_host = [&](int s, int h) {  // records s sends the ranks of host h
+// The shape of a dispatch in two hops, for one rank: the descriptor that stands for a record
+// on the first hop is the receiver's local index and the row's payload index, then the
+// record's tail (weight, token, slot).
+struct HostsMoe::TwoHops {
+  const HostMap& map;
+  const Agreed& g;
+  const RowsTo& rows_to;
+  int64_t payload, rec, tail, desc, tokens_at;
+  int me, hm, lm, hosts, per_host;
+  // Distinct tokens rank s sends the ranks of host h (counted by s, agreed by all).
+  int64_t tokens(int s, int h) const { return g.extras[size_t(s)][size_t(tokens_at + h)]; }
+  int64_t to_host(int s, int h) const {
     int64_t n = 0;
-    for (int d : host_ranks_[size_t(h)]) n += rows_to(s, d);
+    for (int d : map.ranks[size_t(h)]) n += rows_to(s, d);
     return n;
-  };
-
-  // Hop 1, over this rank's rail: per other host, each token's payload once, then a
-  // descriptor per record (in the order of its receivers' local indices).
-  std::vector<int64_t> in_a(hosts, 0), out_a(hosts, 0);
-  for (int h = 0; h < hosts; ++h) {
-    if (h == hm) continue;
-    in_a[size_t(h)] = g.extras[size_t(me)][size_t(tokens_at + h)] * payload + to_host(me, h) * desc;
-    const int s = host_ranks_[size_t(h)][size_t(lm)];
-    out_a[size_t(h)] = g.extras[size_t(s)][size_t(tokens_at + hm)] * payload + to_host(s, hm) * desc;
   }
-  at::Tensor rail_send = at::empty({std::accumulate(in_a.begin(), in_a.end(), int64_t(0))}, at::kByte);
-  {
-    uint8_t* o = rail_send.data_ptr<uint8_t>();
-    int32_t max_token = 0;
-    for (const Sent& r : sent) max_token = std::max(max_token, r.token);
-    std::vector<int32_t> index(size_t(max_token) + 1);
-    for (int h = 0; h < hosts; ++h) {
-      if (h == hm) continue;
-      std::fill(index.begin(), index.end(), -1);
-      int32_t unique = 0;
-      for (int d : host_ranks_[size_t(h)])  // payloads, in order of first use
-        for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r)
-          if (index[size_t(sent[size_t(r)].token)] < 0) {
-            index[size_t(sent[size_t(r)].token)] = unique++;
-            std::memcpy(o, records + r * rec, size_t(payload));
-            o += payload;
-          }
-      TORCH_CHECK(unique == g.extras[size_t(me)][size_t(tokens_at + h)], "cam moe_dispatch on rank ", me,
-                  ": counted ", g.extras[size_t(me)][size_t(tokens_at + h)], " tokens for host ", h, ", packed ",
-                  unique);
-      for (int d : host_ranks_[size_t(h)])
-        for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
-          const int32_t head[2] = {int32_t(local_of_[size_t(d)]), index[size_t(sent[size_t(r)].token)]};
-          std::memcpy(o, head, 8);
-          std::memcpy(o + 8, records + r * rec + payload, size_t(tail));
-          o += desc;
-        }
+  int rail_peer(int h, int l) const { return map.ranks[size_t(h)][size_t(l)]; }
+};
+
+at::Tensor HostsMoe::first_hop(const TwoHops& x, const uint8_t* records, const std::vector<Sent>& sent,
+                               const std::vector<int64_t>& at, const std::vector<int64_t>& bytes) const {
+  at::Tensor out = at::empty({std::accumulate(bytes.begin(), bytes.end(), int64_t(0))}, at::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  int32_t max_token = 0;
+  for (const Sent& r : sent) max_token = std::max(max_token, r.token);
+  std::vector<int32_t> index(size_t(max_token) + 1);  // token -> its payload's place in this host's block
+  for (int h = 0; h < x.hosts; ++h) {
+    if (h == x.hm) continue;
+    std::fill(index.begin(), index.end(), -1);
+    int32_t unique = 0;
+    for (int d : x.map.ranks[size_t(h)])  // payloads, in order of first use
+      for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
+        int32_t& i = index[size_t(sent[size_t(r)].token)];
+        if (i >= 0) continue;
+        i = unique++;
+        std::memcpy(o, records + r * x.rec, size_t(x.payload));
+        o += x.payload;
+      }
+    TORCH_CHECK(unique == x.tokens(x.me, h), "counted ", x.tokens(x.me, h), " tokens for host ", h, ", packed ", unique);
+    for (int d : x.map.ranks[size_t(h)])
+      for (int64_t r = at[size_t(d)]; r < at[size_t(d) + 1]; ++r) {
+        const int32_t head[2] = {int32_t(x.map.local_of[size_t(d)]), index[size_t(sent[size_t(r)].token)]};
+        std::memcpy(o, head, 8);
+        std::memcpy(o + 8, records + r * x.rec + x.payload, size_t(x.tail));
+        o += x.desc;
+      }
+  }
+  return out;
+}
+
+at::Tensor HostsMoe::second_hop(const TwoHops& x, const uint8_t* records, const std::vector<int64_t>& at,
+                                const at::Tensor& arrived, const std::vector<int64_t>& arrived_bytes,
+                                const std::vector<int64_t>& bytes) const {
+  at::Tensor out = at::empty({std::accumulate(bytes.begin(), bytes.end(), int64_t(0))}, at::kByte);
+  uint8_t* o = out.data_ptr<uint8_t>();
+  // Hop 1's block from each other host: its payloads, then its descriptors (the next unused).
+  std::vector<const uint8_t*> payloads(x.hosts), descs(x.hosts);
+  const uint8_t* block = arrived.data_ptr<uint8_t>();
+  for (int h = 0; h < x.hosts; ++h) {
+    payloads[size_t(h)] = block;
+    descs[size_t(h)] = block + x.tokens(x.rail_peer(h, x.lm), x.hm) * x.payload;
+    block += arrived_bytes[size_t(h)];
+  }
+  for (int l = 0; l < x.per_host; ++l) {
+    const int d = x.rail_peer(x.hm, l);
+    for (int h = 0; h < x.hosts; ++h) {
+      const int s = x.rail_peer(h, x.lm);
+      const int64_t rows = x.rows_to(s, d);
+      if (s == x.me) {  // this rank's own records for d
+        std::memcpy(o, records + at[size_t(d)] * x.rec, size_t(rows * x.rec));
+        o += rows * x.rec;
+        continue;
+      }
+      for (int64_t k = 0; k < rows; ++k, descs[size_t(h)] += x.desc) {
+        int32_t head[2];
+        std::memcpy(head, descs[size_t(h)], 8);
+        TORCH_CHECK(head[0] == l && head[1] >= 0 && head[1] < x.tokens(s, x.hm), "rank ", s,
+                    " sent a record for local rank ", head[0], " (payload ", head[1],
+                    ") where this rank expects one for local rank ", l);
+        std::memcpy(o, payloads[size_t(h)] + int64_t(head[1]) * x.payload, size_t(x.payload));
+        std::memcpy(o + x.payload, descs[size_t(h)] + 8, size_t(x.tail));
+        o += x.rec;
+      }
     }
   }
+  return out;
+}
 
-  // Hop 2, over this host's shared memory: to each rank of this host, from every host h, the
-  // records of the rank of this rank's local index on h (this rank's own for this host).
-  std::vector<int64_t> in_b(per_host, 0), out_b(per_host, 0);
-  for (int l = 0; l < per_host; ++l) {
-    const int d = host_ranks_[size_t(hm)][size_t(l)];
-    for (int h = 0; h < hosts; ++h) {
-      in_b[size_t(l)] += rows_to(host_ranks_[size_t(h)][size_t(lm)], d) * rec;
-      out_b[size_t(l)] += rows_to(host_ranks_[size_t(h)][size_t(l)], me) * rec;
-    }
+at::Tensor HostsMoe::dispatch_two_hop(const at::Tensor& send, const std::vector<Sent>& sent,
+                                      const std::vector<int64_t>& at, const Agreed& g, const RowsTo& rows_to,
+                                      int64_t payload, std::vector<int>& order) {
+  const HostMap& map = *hosts_;
+  const int64_t rec = send.size(1);
+  const TwoHops x{map, g, rows_to, payload, rec, rec - payload, 8 + rec - payload,
+                  g.heads[size_t(rank_)][kExperts] + g.heads[size_t(rank_)][kShared], rank_,
+                  map.host_of[size_t(rank_)], map.local_of[size_t(rank_)], map.hosts(), int(map.ranks[0].size())};
+  // Bytes of hop 1 to and from each other host, and of hop 2 to and from each rank of this host.
+  std::vector<int64_t> in_a(x.hosts, 0), out_a(x.hosts, 0), in_b(x.per_host, 0), out_b(x.per_host, 0);
+  for (int h = 0; h < x.hosts; ++h) {
+    if (h == x.hm) continue;
+    const int s = x.rail_peer(h, x.lm);
+    in_a[size_t(h)] = x.tokens(x.me, h) * payload + x.to_host(x.me, h) * x.desc;
+    out_a[size_t(h)] = x.tokens(s, x.hm) * payload + x.to_host(s, x.hm) * x.desc;
   }
+  for (int l = 0; l < x.per_host; ++l)
+    for (int h = 0; h < x.hosts; ++h) {
+      in_b[size_t(l)] += rows_to(x.rail_peer(h, x.lm), x.rail_peer(x.hm, l)) * rec;
+      out_b[size_t(l)] += rows_to(x.rail_peer(h, l), x.me) * rec;
+    }
+  const uint8_t* records = send.data_ptr<uint8_t>();
   at::Tensor recv = at::empty({std::accumulate(out_b.begin(), out_b.end(), int64_t(0))}, at::kByte);
   try {
+    // Packed and exchanged on the group's worker: a failure anywhere fails the op on every rank.
     hier_->run("moe_dispatch (two hops)", [&] {
-      at::Tensor rail_recv = at::empty({std::accumulate(out_a.begin(), out_a.end(), int64_t(0))}, at::kByte);
-      hier_->rail_alltoall(rail_recv, rail_send, out_a, in_a);
-      at::Tensor host_send = at::empty({std::accumulate(in_b.begin(), in_b.end(), int64_t(0))}, at::kByte);
-      uint8_t* o = host_send.data_ptr<uint8_t>();
-      std::vector<const uint8_t*> block(hosts, nullptr);  // hop 1's block from each host
-      const uint8_t* r = rail_recv.data_ptr<uint8_t>();
-      for (int h = 0; h < hosts; ++h) block[size_t(h)] = r, r += out_a[size_t(h)];
-      std::vector<int64_t> next(hosts, 0);  // descriptors of each host's block used so far
-      for (int l = 0; l < per_host; ++l) {
-        const int d = host_ranks_[size_t(hm)][size_t(l)];
-        for (int h = 0; h < hosts; ++h) {
-          const int s = host_ranks_[size_t(h)][size_t(lm)];
-          const int64_t rows = rows_to(s, d);
-          if (s == me) {
-            std::memcpy(o, records + at[size_t(d)] * rec, size_t(rows * rec));
-            o += rows * rec;
-            continue;
-          }
-          const uint8_t* payloads = block[size_t(h)];
-          const uint8_t* descs = payloads + g.extras[size_t(s)][size_t(tokens_at + hm)] * payload;
-          for (int64_t k = 0; k < rows; ++k, ++next[size_t(h)]) {
-            const uint8_t* dsc = descs + next[size_t(h)] * desc;
-            int32_t head[2];
-            std::memcpy(head, dsc, 8);
-            TORCH_CHECK(head[0] == l && head[1] >= 0 && head[1] < g.extras[size_t(s)][size_t(tokens_at + hm)],
-                        "rank ", s, " sent a record for local rank ", head[0], " (payload ", head[1],
-                        ") where this rank expects one for local rank ", l);
-            std::memcpy(o, payloads + int64_t(head[1]) * payload, size_t(payload));
-            std::memcpy(o + payload, dsc + 8, size_t(tail));
-            o += rec;
-          }
-        }
-      }
-      hier_->host_alltoall(recv, host_send, out_b, in_b);
+      at::Tensor arrived = at::empty({std::accumulate(out_a.begin(), out_a.end(), int64_t(0))}, at::kByte);
+      hier_->rail_alltoall(arrived, first_hop(x, records, sent, at, in_a), out_a, in_a);
+      hier_->host_alltoall(recv, second_hop(x, records, at, arrived, out_a, in_b), out_b, in_b);
     });
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "cam moe_dispatch on rank ", rank_, ": ", e.what());
   }
+  // Blocks arrive by forwarder (local index), then host.
   order.clear();
-  for (int l = 0; l < per_host; ++l)
-    for (int h = 0; h < hosts; ++h) order.push_back(host_ranks_[size_t(h)][size_t(l)]);
+  for (int l = 0; l < x.per_host; ++l)
+    for (int h = 0; h < x.hosts; ++h) order.push_back(x.rail_peer(h, l));
   return recv.view({recv.numel() / rec, rec});
 }
 
@@ -364,8 +334,8 @@ void HostsMoe::check_dispatch_headers(const std::vector<Header>& heads) const {
     }
     TORCH_CHECK(p[kQuant] == me[kQuant], where, ": rank ", r, " dispatches with quant_mode = ", 2 * p[kQuant],
                 " while this rank uses ", 2 * me[kQuant], "; every rank of the EP group must pass the same value");
-    TORCH_CHECK(p[kDtype] == me[kDtype], where, ": rank ", r, " dispatches ", dtype_name(p[kDtype]),
-                " tokens while this rank dispatches ", dtype_name(me[kDtype]));
+    TORCH_CHECK(p[kDtype] == me[kDtype], where, ": rank ", r, " dispatches ", cam::dtype_name(int(p[kDtype])),
+                " tokens while this rank dispatches ", cam::dtype_name(int(me[kDtype])));
     TORCH_CHECK(me[kMaxTokens] != 0 || p[kTokens] == me[kTokens], where, ": ", who(r), " has ", p[kTokens],
                 " tokens while this rank has ", me[kTokens],
                 "; ranks with different batch sizes must pass global_bs = max tokens per rank * ep_world_size");
@@ -407,74 +377,27 @@ void HostsMoe::check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) 
 void HostsMoe::dispatch(const MoeDispatchArgs& a) {
   const int W = size_, me = rank_;
   const int64_t M = a.num_experts, S = a.shared_ranks, L = a.experts_per_rank;
-  FirstError c;
-  c.tensor(a.rows, "token rows", std::nullopt, 2);
-  c.tensor(a.ids, "routing ids", at::kInt, 2);
-  c.tensor(a.weights, "routing weights", at::kFloat, 2, false);
-  c.tensor(a.aux, "per-token side data", at::kByte, 2, false);
-  c.tensor(a.token_active, "token activity", at::kBool, 1);
-  c.tensor(a.out_rows, "expand_x", std::nullopt, 2);
-  c.tensor(a.out_counts, "ep_recv_counts", at::kInt, 1);
-  c.tensor(a.out_weights, "expand_scales", at::kFloat, 1, false);
-  c.tensor(a.out_info, "row info", at::kInt, 1, false);
-  c.tensor(a.out_aux, "received side data", at::kByte, 2, false);
-  c.tensor(a.out_occurrence, "expand_idx", at::kInt, 1, false);
-  c.need([&] { return M >= 1 && L >= 1 && 0 <= S && S < W && M == (W - S) * L; },
-         [] { return std::string("invalid expert layout"); });
-  const bool prequant = a.quant && !a.smooth.defined();
-  int64_t T = 0, K = 0, H = 0, cap = 0, width = 0;
-  const int64_t aux_bytes = a.aux.defined() && a.aux.dim() == 2 ? a.aux.size(1) : 0;
-  if (c.ok()) {
-    T = a.rows.size(0);
-    H = a.rows.size(1);
-    K = a.ids.size(1);
-    cap = a.out_rows.size(0);
-    width = H * int64_t(a.rows.element_size());
-    auto msg = [](const char* m) { return [m] { return std::string(m); }; };
-    c.need([&] { return a.ids.size(0) == T; }, msg("routing ids must have one row per token"));
-    c.need([&] { return !a.weights.defined() || a.weights.sizes() == a.ids.sizes(); },
-           msg("routing weights must have the ids' shape"));
-    c.need([&] { return !a.aux.defined() || a.aux.size(0) == T; },
-           msg("per-token side data must have one row per token"));
-    c.need([&] { return a.token_active.size(0) == T; }, msg("token activity must have one entry per token"));
-    if (a.quant) {
-      c.need([&] { return is_float_rows(a.rows.scalar_type()); }, [&] {
-        return cam::str("int8 quantization takes float32, bfloat16 or float16 tokens, got ", a.rows.scalar_type());
-      });
-      c.need([&] { return a.out_rows.scalar_type() == at::kChar && a.out_rows.size(1) == H; },
-             msg("expand_x must be int8 of x's hidden size"));
-      if (c.tensor(a.out_scales, "dynamic_scales", at::kFloat, 1))
-        c.need([&] { return a.out_scales.size(0) >= cap; }, msg("dynamic_scales must cover expand_x"));
-      if (a.smooth.defined() && c.tensor(a.smooth, "scales", at::kFloat, 2)) {
-        c.need([&] { return a.smooth.size(1) == H; }, msg("scales must have x's hidden size"));
-        c.need([&] { return a.smooth.size(0) > M - 1 + a.smooth_shift; }, [&] {
-          return cam::str("scales must have a row per expert (", M + a.smooth_shift, " rows), got ", a.smooth.size(0));
-        });
-      }
-    } else {
-      c.need([&] { return a.out_rows.scalar_type() == a.rows.scalar_type() && a.out_rows.size(1) == H; },
-             msg("expand_x must be a contiguous tensor of x's dtype and hidden size"));
-    }
-    c.need([&] { return !a.out_weights.defined() || a.out_weights.size(0) >= cap; },
-           msg("expand_scales must cover expand_x"));
-    c.need([&] { return !a.out_info.defined() || (a.info_stride >= 3 && a.out_info.size(0) >= cap * a.info_stride); },
-           msg("row info must hold info_stride (>= 3) ints per row"));
-    c.need([&] {
-      return !a.out_aux.defined() || (a.aux.defined() && a.out_aux.size(0) >= cap && a.out_aux.size(1) == aux_bytes);
-    }, msg("received side data must have one row of the side data's width per output row"));
-    c.need([&] { return !a.out_occurrence.defined() || a.out_occurrence.numel() == a.ids.numel(); },
-           msg("expand_idx must have one entry per routing slot"));
-    const int64_t local = me < S ? W : W * L;
-    c.need([&] { return a.out_counts.size(0) >= local; },
-           [&] { return cam::str("ep_recv_counts must hold ", local, " entries"); });
+  std::string refusal;  // this rank's argument error: every rank raises it, naming this rank
+  try {
+    check_dispatch_args(a, me, W);
+    // Routed expert e lives on rank S + e / L: the layout must tile the routed ranks exactly.
+    CAM_CHECK_ARG(M == (W - S) * L, "invalid expert layout: ", M, " routed experts over ", W - S, " ranks of ", L,
+                  " experts each");
+  } catch (...) {
+    refusal = argument_error_reason();
   }
+  const bool ok = refusal.empty();
+  const bool prequant = a.quant && !a.smooth.defined();
+  const int64_t T = ok ? a.rows.size(0) : 0, H = ok ? a.rows.size(1) : 0, K = ok ? a.ids.size(1) : 0;
+  const int64_t cap = ok ? a.out_rows.size(0) : 0, width = ok ? H * int64_t(a.rows.element_size()) : 0;
+  const int64_t aux_bytes = ok && a.aux.defined() ? a.aux.size(1) : 0;
 
   // Header and counts (rows per expert, then per shared-expert rank).
   Header header{};
   std::vector<int64_t> counts;
-  const int32_t* ids = c.ok() ? a.ids.data_ptr<int32_t>() : nullptr;
-  const bool* active = c.ok() ? a.token_active.data_ptr<bool>() : nullptr;
-  if (c.ok()) {
+  const int32_t* ids = ok ? a.ids.data_ptr<int32_t>() : nullptr;
+  const bool* active = ok ? a.token_active.data_ptr<bool>() : nullptr;
+  if (ok) {
     int64_t bad_kind = 0, bad_t = 0, bad_k = 0, bad_value = 0;
     for (int64_t t = 0; t < T && bad_kind == 0; ++t) {
       for (int64_t k = 0; k < K && bad_kind == 0; ++k) {
@@ -495,24 +418,21 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
     counts.assign(size_t(M + S), 0);
     for (int64_t i = 0; i < T * K; ++i)
       if (ids[i] >= 0 && ids[i] < M) ++counts[ids[i]];
-    for (int64_t d = 0; d < S; ++d) {
-      const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
-      if (me != d && me < S) continue;
-      for (int64_t t = lo; t < hi; ++t) counts[M + d] += active[t];
-    }
   }
 
   // The rows this rank sends, in destination order: each shared rank's chunk of active tokens,
-  // then the routed entries grouped by expert, (token, slot) order within an expert.
+  // then the routed entries grouped by expert, (token, slot) order within an expert. Counts
+  // per shared rank follow from the chunks.
   std::vector<Sent> sent;
-  std::vector<int64_t> send_rows(W, 0);
-  if (c.ok()) {
+  std::vector<int64_t> send_rows(W, 0), starts(size_t(W) + 1, 0);  // starts: each destination's first record
+  if (ok) {
     for (int64_t d = 0; d < S; ++d) {
       if (me != d && me < S) continue;
       const int64_t lo = me == d ? 0 : shared_lo(me, d, T, S), hi = me == d ? T : shared_lo(me, d + 1, T, S);
+      const size_t before = sent.size();
       for (int64_t t = lo; t < hi; ++t)
         if (active[t]) sent.push_back({int32_t(t), -1});
-      send_rows[d] = counts[M + d];
+      send_rows[d] = counts[M + d] = int64_t(sent.size() - before);
     }
     std::vector<int64_t> fill(size_t(M + 1), 0);
     for (int64_t e = 0; e < M; ++e) fill[e + 1] = fill[e] + counts[e];
@@ -523,13 +443,14 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
       if (e >= 0 && e < M) sent[routed_at + size_t(fill[e]++)] = {int32_t(i / K), int32_t(i % K)};
     }
     for (int64_t e = 0; e < M; ++e) send_rows[S + e / L] += counts[e];
+    for (int d = 0; d < W; ++d) starts[size_t(d) + 1] = starts[size_t(d)] + send_rows[size_t(d)];
     // Where two hops are possible, every rank also says how many distinct tokens it sends each host.
     if (hier_) {
-      const auto tokens = tokens_per_host(sent, send_rows, T);
+      const auto tokens = tokens_per_host(sent, starts, T);
       counts.insert(counts.end(), tokens.begin(), tokens.end());
     }
   }
-  const Agreed g = agree("moe_dispatch", header, c.error, counts);
+  const Agreed g = agree("moe_dispatch", header, refusal, counts);
   check_dispatch_headers(g.heads);
   check_capacity(g, M, S, L);
 
@@ -581,7 +502,7 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
   std::vector<int> order(W);
   std::iota(order.begin(), order.end(), 0);
   const bool hops = two_hop(g, rows_to, row_len + aux_bytes);
-  const at::Tensor recv = hops ? dispatch_two_hop(send, sent, send_rows, g, rows_to, row_len + aux_bytes, order)
+  const at::Tensor recv = hops ? dispatch_two_hop(send, sent, starts, g, rows_to, row_len + aux_bytes, order)
                                : exchange_rows("moe_dispatch", send, send_rows, recv_rows, rec);
   ++(hops ? two_hop_dispatches_ : direct_dispatches_);
 
@@ -683,53 +604,17 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
 
 void HostsMoe::combine(const MoeCombineArgs& a) {
   const int W = size_, me = rank_;
-  FirstError c;
-  if (c.tensor(a.rows, "expert output rows", std::nullopt, 2)) {
-    c.need([&] { return is_float_rows(a.rows.scalar_type()); }, [&] {
-      return cam::str("expert output rows must be a contiguous 2-D float32, bfloat16 or float16 tensor, got ",
-                 a.rows.scalar_type(), " of shape ", a.rows.sizes());
-    });
+  std::string refusal;  // this rank's argument error: every rank raises it, naming this rank
+  try {
+    check_combine_args(a, W);
+  } catch (...) {
+    refusal = argument_error_reason();
   }
-  c.tensor(a.segments, "segments", at::kLong, 2);
-  c.tensor(a.out, "the output", std::nullopt, 2);
-  c.tensor(a.plan_peer, "plan ranks", at::kInt, 2);
-  c.tensor(a.plan_seg, "plan segments", at::kInt, 2);
-  c.tensor(a.plan_off, "plan offsets", at::kLong, 2);
-  c.tensor(a.plan_weight, "plan weights", at::kFloat, 2, false);
-  if (a.add.defined()) c.tensor(a.add, "the added rows", std::nullopt, 2);
-  int64_t n = 0, H = 0, nseg = 0;
-  auto msg = [](const char* m) { return [m] { return std::string(m); }; };
-  if (c.ok()) {
-    n = a.rows.size(0);
-    H = a.rows.size(1);
-    nseg = a.segments.size(0);
-    if (c.need([&] { return a.segments.size(1) == 3; }, msg("segments must be (n, 3): first row, rows, owner rank"))) {
-      const int64_t* sg = a.segments.data_ptr<int64_t>();
-      for (int64_t i = 0; i < nseg; ++i) {
-        const int64_t first = sg[3 * i], count = sg[3 * i + 1];
-        if (!c.need([&] { return first >= 0 && count >= 0 && first <= n - count; }, [&] {
-              return cam::str("segment ", i, " [", first, ", ", first + count, ") lies outside the ", n,
-                         " expert output rows (fewer rows than dispatch served?)");
-            }))
-          break;
-      }
-    }
-    c.need([&] { return is_float_rows(a.out.scalar_type()) && a.out.size(1) == H; },
-           msg("the output must be a contiguous float tensor of the rows' hidden size"));
-    c.need([&] {
-      return a.plan_peer.size(0) == a.out.size(0) && a.plan_seg.sizes() == a.plan_peer.sizes() &&
-             a.plan_off.sizes() == a.plan_peer.sizes();
-    }, msg("the plan must have one row per output token"));
-    c.need([&] { return !a.plan_weight.defined() || a.plan_weight.sizes() == a.plan_peer.sizes(); },
-           msg("plan weights must have the plan's shape"));
-    c.need([&] {
-      return !a.add.defined() || (a.add.sizes() == a.out.sizes() &&
-                                  (a.add.scalar_type() == a.out.scalar_type() || a.add.scalar_type() == at::kFloat));
-    }, msg("the added rows must have the output's shape, and its dtype or float32"));
-  }
+  const bool ok = refusal.empty();
+  const int64_t n = ok ? a.rows.size(0) : 0, H = ok ? a.rows.size(1) : 0, nseg = ok ? a.segments.size(0) : 0;
   Header header{};
   std::vector<int64_t> table;
-  if (c.ok()) {
+  if (ok) {
     header[kRows] = n;
     header[kCombineHidden] = H;
     header[kSegments] = nseg;
@@ -737,7 +622,7 @@ void HostsMoe::combine(const MoeCombineArgs& a) {
     header[kCombineQuant] = int64_t(a.quant);
     table.assign(a.segments.data_ptr<int64_t>(), a.segments.data_ptr<int64_t>() + 3 * nseg);
   }
-  const Agreed g = agree("moe_combine", header, c.error, table);
+  const Agreed g = agree("moe_combine", header, refusal, table);
   const std::string where = cam::str("cam moe_combine on rank ", me);
   int first_serving = -1;
   for (int r = 0; r < W; ++r) {
@@ -753,8 +638,8 @@ void HostsMoe::combine(const MoeCombineArgs& a) {
     TORCH_CHECK(p[kCombineHidden] == H, where, ": rank ", r, " returns rows of hidden size ", p[kCombineHidden],
                 " while this rank combines into rows of ", H);
     TORCH_CHECK(p[kCombineDtype] == g.heads[first_serving][kCombineDtype], where, ": rank ", r, " returns ",
-                dtype_name(p[kCombineDtype]), " rows while rank ", first_serving, " returns ",
-                dtype_name(g.heads[first_serving][kCombineDtype]), "; every rank must return one dtype");
+                cam::dtype_name(int(p[kCombineDtype])), " rows while rank ", first_serving, " returns ",
+                cam::dtype_name(int(g.heads[first_serving][kCombineDtype])), "; every rank must return one dtype");
   }
   const auto dtype = first_serving >= 0 ? at::ScalarType(g.heads[first_serving][kCombineDtype]) : a.rows.scalar_type();
   // Every rank's segments: seg(p, s) = [first, rows, owner].

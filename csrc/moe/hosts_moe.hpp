@@ -32,6 +32,7 @@
 
 namespace cam {
 class HierarchicalBackend;
+struct HostMap;
 }
 
 namespace cam::moe {
@@ -88,8 +89,9 @@ class HostsMoe {
     int32_t token, slot;
   };
   using RowsTo = std::function<int64_t(int src, int dst)>;
-  // Distinct tokens of `sent` (in destination order, send_rows per rank) bound for each host.
-  std::vector<int64_t> tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& send_rows,
+  // Distinct tokens of `sent` (in destination order; `at`: where each destination's records
+  // start, and where the last ends) bound for each host.
+  std::vector<int64_t> tokens_per_host(const std::vector<Sent>& sent, const std::vector<int64_t>& at,
                                        int64_t tokens) const;
   // Whether this dispatch takes two hops: decided from the agreed counts, alike on every rank.
   bool two_hop(const Agreed& g, const RowsTo& rows_to, int64_t payload) const;
@@ -99,8 +101,17 @@ class HostsMoe {
   // them over its host's shared memory. Blocks arrive by forwarder, then host: `order` says
   // whose.
   at::Tensor dispatch_two_hop(const at::Tensor& send, const std::vector<Sent>& sent,
-                              const std::vector<int64_t>& send_rows, const Agreed& g, const RowsTo& rows_to,
+                              const std::vector<int64_t>& at, const Agreed& g, const RowsTo& rows_to,
                               int64_t payload, std::vector<int>& order);
+  struct TwoHops;
+  // Hop 1's message to every other host (`bytes` each): payloads, then descriptors.
+  at::Tensor first_hop(const TwoHops& x, const uint8_t* records, const std::vector<Sent>& sent,
+                       const std::vector<int64_t>& at, const std::vector<int64_t>& bytes) const;
+  // Hop 2's message to every rank of this host (`bytes` each): the records rebuilt from what
+  // hop 1 brought (`arrived`, `arrived_bytes` from each host), and this rank's own.
+  at::Tensor second_hop(const TwoHops& x, const uint8_t* records, const std::vector<int64_t>& at,
+                        const at::Tensor& arrived, const std::vector<int64_t>& arrived_bytes,
+                        const std::vector<int64_t>& bytes) const;
   void check_dispatch_headers(const std::vector<Header>& heads) const;
   void check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) const;
 
@@ -109,10 +120,10 @@ class HostsMoe {
   int64_t inline_ints_ = kInlineInts;
   int64_t two_hop_min_bytes_ = kTwoHopMinBytes;
   int64_t two_hop_dispatches_ = 0, direct_dispatches_ = 0;
-  // Hosts of equal size, more than one rank each (else null): where two hops can pay.
+  // Hosts of equal size, more than one rank each (else null): where two hops can pay. Both
+  // live as long as group_.
   HierarchicalBackend* hier_ = nullptr;
-  std::vector<int> host_of_, local_of_;
-  std::vector<std::vector<int>> host_ranks_;
+  const HostMap* hosts_ = nullptr;
 };
 
 }  // namespace cam::moe
