@@ -8,7 +8,8 @@ veth). In one job per shaping it times, for each op and size, cam (cam inside a 
 between hosts where the build has it), cam with the gloo fallback between hosts, and flat gloo
 over the same 4 ranks, and between two hosts
 a plain TCP stream (throughput) and a 1-byte ping-pong (round trip). Times are medians over
-samples of the slowest rank, each sample from a barrier. "link" is the op's inter-host bytes
+samples of the slowest rank, each sample from a barrier. all_to_all_single is also timed on a
+cam group with the option all_to_all_hops=two_hops. "link" is the op's inter-host bytes
 per direction (the least any algorithm must move: all_reduce 2(H-1)/H x S, all_gather
 (H-1) x L x S, reduce_scatter (H-1)/H x S, all_to_all L x S x (W-L)/W for S bytes per rank)
 over its time, beside the raw stream's. Small all_reduce is also timed on a cam group of one
@@ -129,6 +130,7 @@ def worker(args) -> None:
     assert world == HOSTS * PER_HOST, world
     gloo = dist.new_group(backend="gloo")
     cam_gloo = dist.new_group(backend="cam", pg_options={"inter_host_engine": "gloo"})
+    two_hops = dist.new_group(backend="cam", pg_options={"all_to_all_hops": "two_hops"})
     engine = dist.group.WORLD._get_backend(torch.device("cpu")).inter_host_engine
     host_ranks = [list(range(h * PER_HOST, (h + 1) * PER_HOST)) for h in range(HOSTS)]
     local = None
@@ -161,6 +163,8 @@ def worker(args) -> None:
             row = {"op": op, "bytes": nbytes, "cam_s": cam_s, "gloo_s": gloo_s}
             if engine != "gloo":
                 row["cam_gloo_s"] = timed_slowest(lambda: fn(cam_gloo), gloo, args.samples)
+            if op == "all_to_all_single":
+                row["cam_two_hops_s"] = timed_slowest(lambda: fn(two_hops), gloo, args.samples)
             if op == "all_reduce" and nbytes <= 4096:
                 row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
             rows.append(row)
@@ -412,6 +416,16 @@ def table(rate: str, res: dict) -> list[str]:
                      f"{cg * 1e3 if cg else float('nan'):.3f} | {r['gloo_s'] * 1e3:.3f} | "
                      f"{r['gloo_s'] / r['cam_s']:.2f}x | {cg / r['cam_s'] if cg else float('nan'):.2f}x | "
                      f"{link / 1e9:.3f} | {link / stream:.0%} |")
+    a2a = [r for r in res["rows"] if "cam_two_hops_s" in r]
+    if a2a:
+        lines += ["", "all_to_all_single with the option all_to_all_hops=two_hops (each rank's blocks for rail l "
+                  "gathered by its host's rank l, one message per rail and host) against the direct form above:",
+                  "", "| size per rank | direct ms | two hops ms | direct / two hops | two hops link GB/s |",
+                  "|---|---|---|---|---|"]
+        for r in a2a:
+            lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {r['cam_two_hops_s'] * 1e3:.3f} | "
+                         f"{r['cam_s'] / r['cam_two_hops_s']:.2f}x | "
+                         f"{link_bytes(r['op'], r['bytes']) / r['cam_two_hops_s'] / 1e9:.3f} |")
     kv = [r for r in res["rows"] if r["op"] == "kv"]
     if kv:
         lines += ["", "KV transfer and point-to-point between hosts (rank 0 -> rank 2: KV push until the "

@@ -40,6 +40,9 @@ def check_all(rank: int, world: int) -> list[str]:
                        f"got {got.flatten()[:4].tolist()} want {want.flatten()[:4].tolist()}")
 
     gloo = dist.new_group(backend="gloo")
+    # all_to_all through the rank of the receiver's local index on the sender's host (the
+    # group-wide option; direct where hosts differ in size or hold one rank each).
+    two_hops = dist.new_group(backend="cam", pg_options={"all_to_all_hops": "two_hops"})
     for salt, n in enumerate(SIZES):
         everyone = [ints(n, r, salt) for r in range(world)]
         mine = everyone[rank]
@@ -115,20 +118,8 @@ def check_all(rank: int, world: int) -> list[str]:
         out = torch.empty(n)
         dist.scatter(out, [everyone[r] * 3 for r in range(world)] if rank == root else None, src=root)
         expect(f"scatter n={n}", out, everyone[rank] * 3)
-        # all_to_all_single, equal and uneven splits; all_to_all of lists
-        out = torch.empty(world * n)
-        dist.all_to_all_single(out, torch.cat([ints(n, rank, 200 + salt + d) for d in range(world)]))
-        expect(f"all_to_all_single n={n}", out, torch.cat([ints(n, s, 200 + salt + rank) for s in range(world)]))
-        split = lambda s, d: (s + 2 * d) % 3 + (n % 5)  # noqa: E731 (rows rank s sends rank d)
-        send = torch.cat([ints(split(rank, d), rank, 300 + d) for d in range(world)])
-        out = torch.empty(sum(split(s, rank) for s in range(world)))
-        dist.all_to_all_single(out, send, [split(s, rank) for s in range(world)],
-                               [split(rank, d) for d in range(world)])
-        expect(f"all_to_all_single uneven n={n}", out,
-               torch.cat([ints(split(s, rank), s, 300 + rank) for s in range(world)]))
-        outs = [torch.empty(n) for _ in range(world)]
-        dist.all_to_all(outs, [ints(n, rank, 400 + d) for d in range(world)])
-        expect(f"all_to_all n={n}", torch.stack(outs), torch.stack([ints(n, s, 400 + rank) for s in range(world)]))
+        _check_all_to_all(rank, world, n, salt, None, "", expect)
+        _check_all_to_all(rank, world, n, salt, two_hops, " (two hops)", expect)
         # point to point: a ring (neighbours on the same host and on the next), then pairs
         nxt, prv = (rank + 1) % world, (rank - 1) % world
         got = torch.empty(n)
@@ -150,5 +141,25 @@ def check_all(rank: int, world: int) -> list[str]:
     import torch_cam
     torch_cam.monitored_barrier(wait_all_ranks=True)
     dist.monitored_barrier()
+    dist.destroy_process_group(two_hops)
     dist.destroy_process_group(gloo)
     return bad
+
+
+def _check_all_to_all(rank, world, n, salt, group, how, expect):
+    """all_to_all_single with equal and uneven splits (rows of one and of three elements),
+    all_to_all of lists, on `group` (None: the default group)."""
+    out = torch.empty(world * n)
+    dist.all_to_all_single(out, torch.cat([ints(n, rank, 200 + salt + d) for d in range(world)]), group=group)
+    expect(f"all_to_all_single n={n}{how}", out, torch.cat([ints(n, s, 200 + salt + rank) for s in range(world)]))
+    split = lambda s, d: (s + 2 * d) % 3 + (n % 5)  # noqa: E731 (rows rank s sends rank d)
+    for width in (1, 3):
+        send = torch.cat([ints(split(rank, d) * width, rank, 300 + d) for d in range(world)]).view(-1, width)
+        out = torch.empty(sum(split(s, rank) for s in range(world)), width)
+        dist.all_to_all_single(out, send, [split(s, rank) for s in range(world)],
+                               [split(rank, d) for d in range(world)], group=group)
+        expect(f"all_to_all_single uneven n={n} width={width}{how}", out,
+               torch.cat([ints(split(s, rank) * width, s, 300 + rank) for s in range(world)]).view(-1, width))
+    outs = [torch.empty(n) for _ in range(world)]
+    dist.all_to_all(outs, [ints(n, rank, 400 + d) for d in range(world)], group=group)
+    expect(f"all_to_all n={n}{how}", torch.stack(outs), torch.stack([ints(n, s, 400 + rank) for s in range(world)]))

@@ -249,9 +249,10 @@ def _have_ucx():
     return torch_cam._C.ucx_version is not None
 
 
-def _split_mismatch(rank, world, init_file, hosts):
+def _split_mismatch(rank, world, init_file, hosts, hops="direct"):
     """Rank 3 (host 1) expects 2 elements from rank 0 where rank 0 sends 1: every rank raises
     fast, and the rank that saw it names both lengths."""
+    os.environ["TORCH_CAM_ALL_TO_ALL_HOPS"] = hops
     _init(rank, world, init_file, hosts, timeout_s=60)
     try:
         out_splits = [2 if rank == 3 and p == 0 else 1 for p in range(world)]
@@ -274,12 +275,13 @@ def _frozen(rank, world, init_file, hosts):
     return _timed_raise(lambda: [dist.all_reduce(t) for _ in range(1000)])
 
 
-def _engine_differs(rank, world, init_file, hosts):
-    """Rank 2 asks for gloo between hosts where the others ask for UCX: every rank refuses the
-    group at init, naming the option (the two engines would never meet), rather than hang."""
+def _option_differs(rank, world, init_file, hosts, name, value):
+    """Rank 2 sets a group-wide option where the others leave it (say gloo between hosts where
+    the others ask for UCX): every rank refuses the group at init, naming the option (the two
+    engines, or all_to_all's two paths, would never meet), rather than hang."""
     import time
     if rank == 2:
-        os.environ["TORCH_CAM_INTER_HOST_ENGINE"] = "gloo"
+        os.environ["TORCH_CAM_" + name.upper()] = value
     start = time.monotonic()
     try:
         _init(rank, world, init_file, hosts, timeout_s=30)
@@ -377,7 +379,14 @@ class _HierarchicalCases:
         if self.ENGINE == "gloo":
             self.skipTest("gloo sees disagreeing all_to_all splits only where the bytes arrive, and ranks "
                           "whose own blocks matched complete (docs/multihost.md)")
-        results = self.run_ranks(_split_mismatch, 4, [0, 0, 1, 1], deadline_s=120)
+        self._split_mismatch("direct")
+
+    def test_split_mismatch_in_two_hops_raises_on_every_host(self):
+        # Every receiver learns each source's sizes before any data moves: with either engine.
+        self._split_mismatch("two_hops")
+
+    def _split_mismatch(self, hops):
+        results = self.run_ranks(_split_mismatch, 4, [0, 0, 1, 1], hops, deadline_s=120)
         assert_all_ok(self, results)
         for r, (_, (first, then)) in results.items():
             how, took, msg = first
@@ -386,6 +395,15 @@ class _HierarchicalCases:
             self.assertIn("all_to_all", msg)
             self.assertEqual(then[0], "raised", f"rank {r}: the group stayed usable after the failure")
         self.assertIn("rank 0 sends 4 bytes, this rank expects 8", results[3][1][0][2])
+
+    def test_ranks_ask_for_different_all_to_all_paths(self):
+        results = self.run_ranks(_option_differs, 4, [0, 0, 1, 1], "all_to_all_hops", "two_hops", deadline_s=120)
+        for r, (status, (msg, took)) in sorted(results.items()):
+            self.assertEqual(status, "ok", msg)
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+            theirs, mine = ("direct", "two_hops") if r == 2 else ("two_hops", "direct")
+            self.assertIn(f"rank {0 if r == 2 else 2} has all_to_all_hops={theirs} but this rank has "
+                          f"all_to_all_hops={mine}", msg)
 
     def test_frozen_rank_raises_at_the_deadline(self):
         results = self.run_ranks(_frozen, 4, [0, 0, 1, 1], deadline_s=90, allow_died=(3,))
@@ -497,7 +515,7 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
         self.assertLess(took, 10.0, msg)
 
     def test_ranks_ask_for_different_engines(self):
-        results = self.run_ranks(_engine_differs, 4, [0, 0, 1, 1], deadline_s=120)
+        results = self.run_ranks(_option_differs, 4, [0, 0, 1, 1], "inter_host_engine", "gloo", deadline_s=120)
         for r, (status, (msg, took)) in sorted(results.items()):
             self.assertEqual(status, "ok", msg)
             self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")

@@ -17,7 +17,8 @@ _ENV_PREFIX = "TORCH_CAM_"
 #: otherwise would be misread, and ranks on two paths of one op would wait on each other until
 #: the timeout). The rest (waiting, logging, caches) may differ per rank.
 GROUP_WIDE = ("window_bytes", "p2p_fraction", "chunk_bytes", "single_copy_bytes", "tensor_heap_bytes",
-              "one_shot_max_bytes", "eager_max_bytes", "allreduce_algo", "inter_host_engine")
+              "one_shot_max_bytes", "eager_max_bytes", "allreduce_algo", "inter_host_engine",
+              "all_to_all_hops")
 
 
 @dataclasses.dataclass
@@ -70,6 +71,11 @@ class Options:
     #: Between the hosts of a group that spans hosts: "ucx" (one-sided put/get/atomics over
     #: UCX), "gloo" (torch's gloo), or "auto" (UCX where this build has it, else gloo).
     inter_host_engine: str = "auto"
+    #: all_to_all between hosts of equal size, more than one rank each: "direct" (every block
+    #: straight to its receiver) or "two_hops" (gathered per rail and host on the sender's host,
+    #: one message per rail and host across the link; faster on a slow link, slower where the
+    #: link is as fast as memory copies; docs/multihost.md).
+    all_to_all_hops: str = "direct"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Options":

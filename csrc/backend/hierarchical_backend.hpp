@@ -161,6 +161,12 @@ class HierarchicalBackend : public c10d::Backend {
   // by_host (H equal blocks) gets every host's `mine` over `hosts`, a group of one rank per host.
   void exchange_blocks(c10d::Backend& hosts, const at::Tensor& mine, at::Tensor by_host);
   void reduce_scatter_rows(const at::Tensor& in_rows, at::Tensor out, c10d::ReduceOp op);
+  // all_to_all between hosts of equal size, more than one rank each, in two hops: a rank's
+  // blocks for rank l of every host go to this host's rank l (over the host's cam group),
+  // which sends rank l of host h, over rail l, every local rank's block for it in one message.
+  // `send` / `recv`: this rank's block for / from each group rank, as bytes.
+  bool alltoall_in_two_hops() const;
+  void alltoall_two_hops(const std::vector<at::Tensor>& send, const std::vector<at::Tensor>& recv, const char* what);
   void barrier_all();
   // Arrivals and the release travel through the group's store (a debugging op: no data, and
   // a rank that never comes leaves nothing posted in any engine).

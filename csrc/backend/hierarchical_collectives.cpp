@@ -19,13 +19,20 @@
 //     reduce, leaders all_reduce the host blocks, local broadcast of the host's block.
 //   reduce: local reduce, leaders reduce to the root's host, local broadcast there if the root
 //     is not its leader. barrier: local, leaders, local.
-//   gather, scatter, all_to_all: the inter-host backend over all ranks, directly.
+//   gather, scatter, all_to_all: the inter-host backend over all ranks, directly. With the
+//     option all_to_all_hops=two_hops (hosts of equal size, more than one rank each),
+//     all_to_all instead takes two hops: sizes through the host and the rails first (every
+//     receiver checks each source's block before data moves), then a local all_to_all gathers
+//     each rank's blocks for rail l on local rank l, which sends them over rail l in one
+//     message per host, landing straight in the output when its blocks lie in (host, local
+//     index) order.
 //   Uneven all_gather / reduce_scatter lists: every rank's list of sizes is gathered and
 //     checked alike, then the even op runs on blocks padded to the largest.
 //   monitored_barrier: arrivals and the release through the group's store.
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <numeric>
 
 #include "../algo/collective.hpp"
 #include "../core/errors.hpp"
@@ -587,6 +594,134 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::scatter(std::vector<at::Tens
   });
 }
 
+namespace {
+// Each rank's block of a tensor split along dim 0 (`splits` in rows; empty: equal blocks), as
+// bytes.
+std::vector<at::Tensor> byte_blocks(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
+                                    const char* what) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const int64_t row_bytes = rows == 0 ? 0 : int64_t(t.nbytes()) / rows;
+  TORCH_CHECK(splits.empty() || int64_t(splits.size()) == size, what, " splits name ", splits.size(),
+              " ranks, the group has ", size);
+  TORCH_CHECK(!splits.empty() || rows % size == 0, what, " of ", rows, " rows does not split evenly over ", size,
+              " ranks");
+  at::Tensor bytes = t.view({-1}).view(at::kByte);
+  std::vector<at::Tensor> out;
+  int64_t at = 0;
+  for (int g = 0; g < size; ++g) {
+    const int64_t n = splits.empty() ? rows / size : splits[size_t(g)];
+    TORCH_CHECK(n >= 0 && at + n <= rows, what, " splits exceed its ", rows, " rows");
+    out.push_back(bytes.narrow(0, at * row_bytes, n * row_bytes));
+    at += n;
+  }
+  TORCH_CHECK(at == rows, what, " splits cover ", at, " of its ", rows, " rows");
+  return out;
+}
+
+// Whether blocks[first..] lie back to back in memory, in this order.
+bool back_to_back(const std::vector<at::Tensor>& blocks) {
+  for (size_t i = 1; i < blocks.size(); ++i)
+    if (static_cast<const uint8_t*>(blocks[i].data_ptr()) !=
+        static_cast<const uint8_t*>(blocks[i - 1].data_ptr()) + blocks[i - 1].numel())
+      return false;
+  return true;
+}
+}  // namespace
+
+bool HierarchicalBackend::alltoall_in_two_hops() const {
+  return inter_.rail && local_size() > 1 && local_->engine()->config().all_to_all_hops == "two_hops";
+}
+
+void HierarchicalBackend::alltoall_two_hops(const std::vector<at::Tensor>& send, const std::vector<at::Tensor>& recv,
+                                            const char* what) {
+  const int H = map_.hosts(), L = local_size(), hm = my_host(), lm = map_.local_of[size_t(rank_)];
+  auto rank_at = [&](int h, int l) { return map_.ranks[size_t(h)][size_t(l)]; };
+  // Hop 0: every rank tells local rank l the sizes of its blocks for rank l of every host.
+  at::Tensor mine = at::empty({int64_t(L) * H}, at::kLong);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h) mine.data_ptr<int64_t>()[l * H + h] = send[size_t(rank_at(h, l))].numel();
+  at::Tensor theirs = at::empty({int64_t(L) * H}, at::kLong);
+  host_alltoall(theirs, mine, std::vector<int64_t>(size_t(L), H), std::vector<int64_t>(size_t(L), H));
+  const int64_t* fwd = theirs.data_ptr<int64_t>();  // fwd[s * H + h]: local rank s's block for rank (h, lm)
+  // Over the rail, ahead of the data: what each forwarder will send this rank, block by block,
+  // so that every receiver checks each source's block against its own splits.
+  at::Tensor heads_out = at::empty({int64_t(H) * L}, at::kLong), heads_in = at::empty({int64_t(H) * L}, at::kLong);
+  for (int h = 0; h < H; ++h)
+    for (int s = 0; s < L; ++s) heads_out.data_ptr<int64_t>()[h * L + s] = fwd[s * H + h];
+  std::vector<int64_t> per_host(size_t(H), L);
+  auto heads = inter_.rail->alltoall_base(heads_in, heads_out, per_host, per_host, c10d::AllToAllOptions());
+  // Hop 1 (this host's cam group): to local rank l, this rank's blocks for rank l of every host.
+  std::vector<int64_t> in1(size_t(L), 0), out1(size_t(L), 0);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < H; ++h) in1[size_t(l)] += send[size_t(rank_at(h, l))].numel();
+  for (int s = 0; s < L; ++s)
+    for (int h = 0; h < H; ++h) out1[size_t(s)] += fwd[s * H + h];
+  at::Tensor packed = scratch(std::accumulate(in1.begin(), in1.end(), int64_t(0)), at::kByte);
+  {
+    int64_t at = 0;
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h) {
+        const at::Tensor& b = send[size_t(rank_at(h, l))];
+        packed.narrow(0, at, b.numel()).copy_(b);
+        at += b.numel();
+      }
+  }
+  // Checked before any data moves: a rank that fails here leaves its host's exchange, so every
+  // rank of every host fails with it (none completes on blocks that happened to match; checked
+  // after the host's exchange instead, the ranks of a rail whose blocks matched would complete).
+  inter_step(heads);
+  const int64_t* head = heads_in.data_ptr<int64_t>();  // head[h * L + s]: rank (h, s)'s block for this rank
+  for (int h = 0; h < H; ++h)
+    for (int s = 0; s < L; ++s) {
+      const int64_t got = h == hm ? fwd[s * H + hm] : head[h * L + s], want = recv[size_t(rank_at(h, s))].numel();
+      TORCH_CHECK(got == want, what, ": rank ", rank_at(h, s), " sends ", got, " bytes, this rank expects ", want);
+    }
+  at::Tensor gathered = scratch(std::accumulate(out1.begin(), out1.end(), int64_t(0)), at::kByte);
+  host_alltoall(gathered, packed, out1, in1);
+  // Hop 2 (rail lm): to rank lm of host h, every local rank's block for it; this host's own
+  // blocks are the rail's self block.
+  std::vector<int64_t> in2(size_t(H), 0), out2(size_t(H), 0);
+  std::vector<int64_t> from(size_t(L) * H);  // where local rank s's block for host h lies in `gathered`
+  {
+    int64_t at = 0;
+    for (int s = 0; s < L; ++s)
+      for (int h = 0; h < H; ++h) from[size_t(s * H + h)] = at, at += fwd[s * H + h];
+  }
+  for (int h = 0; h < H; ++h)
+    for (int s = 0; s < L; ++s) {
+      in2[size_t(h)] += fwd[s * H + h];
+      out2[size_t(h)] += recv[size_t(rank_at(h, s))].numel();
+    }
+  at::Tensor forward = scratch(std::accumulate(in2.begin(), in2.end(), int64_t(0)), at::kByte);
+  {
+    int64_t at = 0;
+    for (int h = 0; h < H; ++h)
+      for (int s = 0; s < L; ++s) {
+        const int64_t n = fwd[s * H + h];
+        forward.narrow(0, at, n).copy_(gathered.narrow(0, from[size_t(s * H + h)], n));
+        at += n;
+      }
+  }
+  // Blocks arrive by host, then local index: straight into the output where it is laid out so.
+  std::vector<at::Tensor> order;
+  for (int h = 0; h < H; ++h)
+    for (int s = 0; s < L; ++s) order.push_back(recv[size_t(rank_at(h, s))]);
+  const bool in_place = back_to_back(order);
+  const int64_t total = std::accumulate(out2.begin(), out2.end(), int64_t(0));
+  at::Tensor landed = in_place && !order.empty()
+                          ? at::from_blob(order[0].data_ptr(), {total}, at::kByte)
+                          : scratch(total, at::kByte);
+  rail_alltoall(landed, forward, out2, in2);
+  if (!in_place) {
+    int64_t at = 0;
+    for (const at::Tensor& b : order) {
+      at::Tensor dst = b;
+      dst.copy_(landed.narrow(0, at, b.numel()));
+      at += b.numel();
+    }
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                                   std::vector<int64_t>& output_splits,
                                                                   std::vector<int64_t>& input_splits,
@@ -594,7 +729,16 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall_base(at::Tensor& ou
   at::Tensor out = output, in = input;
   auto os = output_splits, is = input_splits;
   return enqueue(c10d::OpType::ALLTOALL_BASE, "all_to_all_single", {output}, [this, out, in, os, is, opts]() mutable {
-    inter_step(inter_.collectives->alltoall_base(out, in, os, is, opts));
+    if (!alltoall_in_two_hops()) {
+      inter_step(inter_.collectives->alltoall_base(out, in, os, is, opts));
+      return;
+    }
+    TORCH_CHECK(in.scalar_type() == out.scalar_type(), "all_to_all_single: the input is ", in.scalar_type(),
+                " but the output is ", out.scalar_type());
+    at::Tensor src = in.contiguous(), dst = out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+    alltoall_two_hops(byte_blocks(src, is, size_, "all_to_all_single input"),
+                      byte_blocks(dst, os, size_, "all_to_all_single output"), "all_to_all_single");
+    if (!dst.is_same(out)) out.copy_(dst);
   });
 }
 
@@ -603,7 +747,23 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::alltoall(std::vector<at::Ten
                                                              const c10d::AllToAllOptions& opts) {
   auto outs = outputs, ins = inputs;
   return enqueue(c10d::OpType::ALLTOALL, "all_to_all", outputs, [this, outs, ins, opts]() mutable {
-    inter_step(inter_.collectives->alltoall(outs, ins, opts));
+    if (!alltoall_in_two_hops()) {
+      inter_step(inter_.collectives->alltoall(outs, ins, opts));
+      return;
+    }
+    TORCH_CHECK(int(outs.size()) == size_ && int(ins.size()) == size_, "all_to_all needs one input and one output "
+                "tensor per rank (", size_, "), got ", ins.size(), " and ", outs.size());
+    std::vector<at::Tensor> send, recv, staged(outs.size());
+    for (size_t g = 0; g < ins.size(); ++g) {
+      TORCH_CHECK(ins[g].scalar_type() == outs[g].scalar_type(), "all_to_all: input ", g, " is ", ins[g].scalar_type(),
+                  " but output ", g, " is ", outs[g].scalar_type());
+      send.push_back(ins[g].contiguous().view({-1}).view(at::kByte));
+      staged[g] = outs[g].is_contiguous() ? outs[g] : at::empty_like(outs[g], at::MemoryFormat::Contiguous);
+      recv.push_back(staged[g].view({-1}).view(at::kByte));
+    }
+    alltoall_two_hops(send, recv, "all_to_all");
+    for (size_t g = 0; g < outs.size(); ++g)
+      if (!staged[g].is_same(outs[g])) outs[g].copy_(staged[g]);
   });
 }
 

@@ -53,6 +53,11 @@ CamConfig CamConfig::from_map(const std::map<std::string, std::string>& kv,
                   "cam option inter_host_engine: expected auto, ucx or gloo, got '", value, "'");
       c.inter_host_engine = value;
     }
+    else if (key == "all_to_all_hops") {
+      TORCH_CHECK(value == "direct" || value == "two_hops",
+                  "cam option all_to_all_hops: expected direct or two_hops, got '", value, "'");
+      c.all_to_all_hops = value;
+    }
     else TORCH_CHECK(false, "cam: unknown option '", key, "'");
   }
   return c;
@@ -117,7 +122,7 @@ std::string CamConfig::to_string() const {
      << " sleep_max_us=" << sleep_max_us << " liveness_interval_ms=" << liveness_interval_ms
      << " progress_interval_us=" << progress_interval_us << " log_level=" << log_level_name(log_level)
      << " flight_recorder_entries=" << flight_recorder_entries
-     << " flight_recorder_path=" << flight_recorder_path << " inter_host_engine=" << inter_host_engine << " timeout_ms=" << timeout.count();
+     << " flight_recorder_path=" << flight_recorder_path << " inter_host_engine=" << inter_host_engine << " all_to_all_hops=" << all_to_all_hops << " timeout_ms=" << timeout.count();
   return os.str();
 }
 

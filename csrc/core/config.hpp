@@ -61,6 +61,10 @@ struct CamConfig {
   // Between the hosts of a group that spans hosts: "ucx" (one-sided operations over UCX),
   // "gloo" (torch's gloo), or "auto" (UCX where this build has it, else gloo).
   std::string inter_host_engine = "auto";
+  // all_to_all in a group across hosts of equal size (more than one rank each): "direct" (every
+  // block straight to its receiver) or "two_hops" (through the rank of the receiver's local
+  // index on the sender's host: one message per rail and host; see hierarchical_backend.hpp).
+  std::string all_to_all_hops = "direct";
   // Group timeout applied to every wait unless an op carries its own.
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 
