@@ -4,7 +4,8 @@
 # build has it, and again gloo, the fallback of a build without UCX): every collective and point-to-point op at 2 hosts x 2 ranks and 3 hosts x 1 rank
 # checked against the reference, MoE dispatch / combine and the Buffer with experts on every
 # host, KV transfer (push, pull), RL weight transfer and AFD between hosts over UCX, and a rank that
-# dies on one host makes the ranks of every host raise; nothing may be left in any host's /dev/shm.
+# dies on one host makes the ranks of every host raise; large ops over a shaped link each followed
+# by another group's barrier finish; nothing may be left in any host's /dev/shm.
 #   bash tests/test_multihost.sh [python]      (default .venv/bin/python)
 # Needs root (namespaces); skips with a message where it is not root or has no multihost.sh
 # (TORCH_CAM_MULTIHOST names it; else ../shared/tools/multihost.sh beside the checkout).
@@ -23,7 +24,7 @@ if ! unshare --net --mount true 2>/dev/null; then echo "SKIPPED: unshare is not 
 status=0
 check() {  # check <hosts> <ranks per host> <script> [args]
   echo "-- $1 hosts x $2 ranks, $TORCH_CAM_INTER_HOST_ENGINE between hosts: ${*:3} ($SECONDS s)"
-  MULTIHOST_PYTHON=$PY "$tool" --torchrun --timeout 240 "$1" "$2" -- "${@:3}" >"$log" 2>&1
+  MULTIHOST_PYTHON=$PY "$tool" --torchrun --timeout 240 ${shape:-} "$1" "$2" -- "${@:3}" >"$log" 2>&1
   local rc=$?
   grep -E "\] rank [0-9]+ raised after|\] rank [0-9]+: |^multihost: (ok|FAIL)" "$log"
   if [ $rc != 0 ]; then tail -n 40 "$log"; echo "FAILED: $1 x $2 ${*:3} (exit $rc)"; status=1; fi
@@ -55,6 +56,8 @@ for engine in $engines; do
     check 2 2 tests/multihost/check_afd.py  # AFD between hosts: UCX puts and gets, whatever the engine
     check 3 1 tests/multihost/check_afd.py
     check 2 2 tests/multihost/check_afd.py --dead-ffn
+    # A shaped link keeps the tail of each large exchange in the sender's socket after the op.
+    shape="--rate 1gbit" check 2 2 tests/multihost/check_shaped_link.py
   fi
 done
 exit $status

@@ -283,11 +283,10 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
             b.alltoall_base(out, torch.ones(2), out_splits, [1, 1], dist.AllToAllOptions()).wait()
 
         results, errors, took = run_threads(2, fn)
+        # Each side reads the other's descriptor before any data moves: both name the mismatch.
         self.assertIn("rank 0 sends 4 bytes, this rank expects 8", errors[1])
-        self.assertLess(took[1], 1.0)
-        # Rank 0 waits for a reader that failed: the fabric's deadline ends it (in a group, the
-        # failure key published by rank 1 ends it within a liveness interval).
-        self.assertIn("timeout after", errors[0])
+        self.assertIn("rank 1 expects 8 bytes, this rank sends 4", errors[0])
+        self.assertLess(max(took), 1.0)
 
 
 if __name__ == "__main__":

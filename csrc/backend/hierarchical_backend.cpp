@@ -1,8 +1,13 @@
 #include "hierarchical_backend.hpp"
 
 #include <ATen/core/ivalue.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <map>
 
 #include "../core/errors.hpp"
@@ -140,11 +145,30 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
   // A one-sided engine's waits run on this worker inside the step: they read the failure key
   // themselves.
   for (auto* b : {inter_.collectives.get(), inter_.rail.get(), inter_.leaders.get()})
-    if (auto* one_sided = dynamic_cast<OneSidedBackend*>(b)) one_sided->set_interrupt([this] { raise_published(); });
+    if (auto* one_sided = dynamic_cast<OneSidedBackend*>(b)) {
+      one_sided->set_interrupt([this] { raise_published(); });
+      if (one_sided->event_fd() >= 0 && std::find(served_.begin(), served_.end(), one_sided) == served_.end())
+        served_.push_back(one_sided);
+    }
+  if (!served_.empty()) {
+    wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    TORCH_CHECK(wake_fd_ >= 0, "cam: cannot create the worker's eventfd: ", std::strerror(errno));
+  }
   worker_ = std::thread([this] { worker_main(); });
 }
 
-HierarchicalBackend::~HierarchicalBackend() { shutdown(); }
+HierarchicalBackend::~HierarchicalBackend() {
+  shutdown();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+namespace {
+void ring(int fd) {
+  if (fd < 0) return;
+  const uint64_t one = 1;
+  [[maybe_unused]] const ssize_t n = ::write(fd, &one, sizeof one);  // full counter: already readable
+}
+}  // namespace
 
 void HierarchicalBackend::shutdown() {
   std::call_once(shutdown_once_, [this] {
@@ -153,6 +177,7 @@ void HierarchicalBackend::shutdown() {
       stop_ = true;
     }
     cv_.notify_all();
+    ring(wake_fd_);
     if (worker_.joinable()) {
       if (worker_.get_id() == std::this_thread::get_id()) {
         worker_.detach();
@@ -180,6 +205,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, s
                           std::move(body), [work](std::exception_ptr e) { work->finish_with(e); }});
   }
   cv_.notify_one();
+  ring(wake_fd_);
   return work;
 }
 
@@ -188,7 +214,13 @@ void HierarchicalBackend::worker_main() {
     Task task;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+      const auto ready = [this] { return stop_ || !queue_.empty(); };
+      if (served_.empty()) cv_.wait(lk, ready);
+      if (!ready()) {
+        lk.unlock();
+        serve_between_ops();
+        continue;
+      }
       if (queue_.empty()) return;
       task = std::move(queue_.front());
       queue_.pop_front();
@@ -207,6 +239,18 @@ void HierarchicalBackend::worker_main() {
     }
     task.finish(error);
   }
+}
+
+void HierarchicalBackend::serve_between_ops() {
+  bool armed = true;
+  for (auto* b : served_) armed = b->drain_and_arm() && armed;
+  if (!armed) return;  // events were queued: progress them first
+  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
+  for (auto* b : served_) fds.push_back({b->event_fd(), POLLIN, 0});
+  // Woken by traffic or by a queued task; the bound only limits the cost of a missed wakeup.
+  ::poll(fds.data(), fds.size(), 100);
+  uint64_t count;
+  [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
 }
 
 void HierarchicalBackend::fail_group(const std::string& why) {

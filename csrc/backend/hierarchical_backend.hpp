@@ -11,7 +11,9 @@
 //   leaders local index 0 of every host (rail 0 when hosts are uniform, its own group otherwise)
 // Collectives are compositions of inner and inter-host steps (hierarchical_collectives.cpp
 // states each), run in issue order on one worker thread; the Work completes after the last
-// step. Point-to-point goes straight to the inner backend (same host) or to `p2p`.
+// step. Between ops that thread serves the one-sided engines (their sends still in flight, peers'
+// operations on this rank's memory). Point-to-point goes straight to the inner backend (same
+// host) or to `p2p`.
 //
 // Results are bit-identical on every rank: each output element is computed on one rank and
 // copied to the others. Reduction order: cam's order over a host's ranks, then the inter-host
@@ -37,6 +39,8 @@
 #include "cam_backend.hpp"
 
 namespace cam {
+
+class OneSidedBackend;
 
 // Which host each rank of the group is on; hosts are numbered by their lowest rank, and a
 // host's ranks by rank (their local index).
@@ -143,6 +147,9 @@ class HierarchicalBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string name, std::vector<at::Tensor> outputs,
                                          Body body);
   void worker_main();
+  // The idle worker's wait when one-sided engines need serving between ops: serves each, then
+  // sleeps until one has traffic or a task is queued (wake_fd_).
+  void serve_between_ops();
   void fail_group(const std::string& why);
   // Waits for a step: inner steps raise through cam's own waits; inter-host steps block on their
   // Future and wake every liveness interval, so that a failure another host published in the
@@ -219,6 +226,8 @@ class HierarchicalBackend : public c10d::Backend {
   std::string fatal_;  // worker thread only
   std::thread worker_;
   std::once_flag shutdown_once_;
+  std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
+  int wake_fd_ = -1;                      // an eventfd written by enqueue() and shutdown()
 };
 
 }  // namespace cam

@@ -14,15 +14,21 @@
 namespace cam {
 namespace {
 
-// The descriptor a sender puts into a reader's slot.
+// The descriptor every rank posts each partner of an exchange, followed by the block it sends
+// (inline) and then the packed key of the memory the partner's block goes to (put).
 struct Descriptor {
   uint64_t seq;
-  uint64_t addr;
-  uint64_t bytes;
-  uint32_t eager;  // 1: the block's bytes follow; 0: the packed rkey follows
-  uint32_t pad;
+  uint64_t send_bytes;  // what this rank sends the partner (kAbsent: nothing)
+  uint64_t recv_bytes;  // what this rank expects from the partner (kAbsent: nothing)
+  uint64_t recv_addr;   // where the partner puts it, when it exceeds kEagerBytes
+  uint32_t inline_data; // 1: the sent block's bytes follow
+  uint32_t key_bytes;   // the packed key's length (after the inline bytes)
 };
-static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes <= OneSidedTransport::kSlotBytes);
+constexpr uint64_t kAbsent = ~uint64_t(0);
+static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes + 1024 <= OneSidedTransport::kSlotBytes,
+              "a slot holds an inline block and a packed key of up to 1 KiB");
+
+std::string bytes_text(uint64_t bytes) { return bytes == kAbsent ? std::string("nothing") : str(bytes, " bytes"); }
 
 void check_dense(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
@@ -49,7 +55,7 @@ OneSidedBackend::OneSidedBackend(std::unique_ptr<OneSidedTransport> transport)
     : c10d::Backend(transport->rank(), transport->size()),
       t_(std::move(transport)),
       consumed_(size_, 0),
-      readers_(size_, 0) {}
+      exchanged_(size_, 0) {}
 
 int OneSidedBackend::root_of(int64_t root, const char* op) const {
   TORCH_CHECK(root >= 0 && root < size_, op_name(op), ": root ", root, " is not a rank of the group (size ", size_, ")");
@@ -58,36 +64,44 @@ int OneSidedBackend::root_of(int64_t root, const char* op) const {
 
 std::string OneSidedBackend::op_name(const char* op) const { return str("cam ", t_->name(), " ", op, " (seq ", seq_, ")"); }
 
-void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
-                          const std::vector<Block>& recvs) {
+void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>& sends,
+                               const std::vector<Block>& recvs) {
   const int me = rank_;
   const uint64_t seq = seq_;
   const auto eager = [](const Block& b) { return b.bytes <= kEagerBytes; };
-  std::unique_ptr<MemoryRegion> region;
-  bool any_get = false;
-  for (int p = 0; p < size_; ++p) any_get |= p != me && sends[p].present && !eager(sends[p]);
-  if (any_get) {
-    TORCH_INTERNAL_ASSERT(send_region, what, ": a block to be read needs its registered tensor");
-    region = t_->register_memory(send_region->data_ptr(), send_region->nbytes());
-  }
+  std::vector<bool> partner(size_, false);
+  std::vector<std::unique_ptr<MemoryRegion>> regions(size_);
   std::vector<uint8_t> desc;
+  int partners = 0;
   for (int p = 0; p < size_; ++p) {
-    if (p == me || !sends[p].present) continue;
-    const bool inline_data = eager(sends[p]);
-    const size_t tail = inline_data ? sends[p].bytes : region->packed_key().size();
-    desc.assign(sizeof(Descriptor) + tail, 0);
-    Descriptor d{seq, uint64_t(sends[p].ptr), sends[p].bytes, inline_data, 0};
+    if (p == me || !(sends[p].present || recvs[p].present)) continue;
+    partner[p] = true;
+    ++partners;
+    const bool inline_data = sends[p].present && eager(sends[p]);
+    const bool put_here = recvs[p].present && !eager(recvs[p]);
+    if (put_here) regions[p] = t_->register_memory(recvs[p].ptr, recvs[p].bytes);
+    const size_t data = inline_data ? sends[p].bytes : 0;
+    const size_t key = put_here ? regions[p]->packed_key().size() : 0;
+    desc.assign(sizeof(Descriptor) + data + key, 0);
+    const Descriptor d{seq,
+                       sends[p].present ? sends[p].bytes : kAbsent,
+                       recvs[p].present ? recvs[p].bytes : kAbsent,
+                       put_here ? uint64_t(recvs[p].ptr) : 0,
+                       inline_data,
+                       uint32_t(key)};
     std::memcpy(desc.data(), &d, sizeof d);
-    if (tail) std::memcpy(desc.data() + sizeof d, inline_data ? sends[p].ptr : region->packed_key().data(), tail);
+    if (data) std::memcpy(desc.data() + sizeof d, sends[p].ptr, data);
+    if (key) std::memcpy(desc.data() + sizeof d + data, regions[p]->packed_key().data(), key);
     t_->post(p, std::move(desc));
-    ++readers_[p];
+    ++exchanged_[p];
   }
-  // Read every source as its descriptor arrives.
+  // As each partner's descriptor arrives: check it against this rank's view (both sides check,
+  // so both name a mismatch), take an inline block and put this rank's block into the partner's
+  // memory. Done goes to the partners once every descriptor has passed (ordered after the
+  // puts): a mismatch anywhere leaves every partner of this rank waiting, to fail with it.
   std::vector<std::unique_ptr<RemoteKey>> keys;
-  std::vector<bool> waiting(size_, false);
-  int left = 0;
-  for (int p = 0; p < size_; ++p)
-    if (p != me && recvs[p].present) waiting[p] = true, ++left;
+  std::vector<bool> waiting = partner;
+  int left = partners;
   t_->wait_until(
       [&] {
         for (int p = 0; p < size_ && left > 0; ++p) {
@@ -97,36 +111,41 @@ void OneSidedBackend::exchange(const std::string& what, const at::Tensor* send_r
           --left;
           Descriptor d;
           std::memcpy(&d, t_->slot(p), sizeof d);
+          const uint8_t* tail = t_->slot(p) + sizeof d;
           if (d.seq != seq)
             t_->raise(what, str("rank ", p, " is in inter-host op seq ", d.seq, ", this rank in seq ", seq,
                                " (the ranks issued different collectives)"));
-          if (d.bytes != recvs[p].bytes)
-            t_->raise(what, str("rank ", p, " sends ", d.bytes, " bytes, this rank expects ", recvs[p].bytes));
-          if (d.bytes == 0) continue;
-          if (d.eager) {
-            std::memcpy(recvs[p].ptr, t_->slot(p) + sizeof d, d.bytes);
-            continue;
+          const uint64_t expect = recvs[p].present ? recvs[p].bytes : kAbsent;
+          const uint64_t mine = sends[p].present ? sends[p].bytes : kAbsent;
+          if (d.send_bytes != expect)
+            t_->raise(what, str("rank ", p, " sends ", bytes_text(d.send_bytes), ", this rank expects ",
+                               bytes_text(expect)));
+          if (d.recv_bytes != mine)
+            t_->raise(what, str("rank ", p, " expects ", bytes_text(d.recv_bytes), ", this rank sends ",
+                               bytes_text(mine)));
+          if (d.inline_data && d.send_bytes) std::memcpy(recvs[p].ptr, tail, d.send_bytes);
+          if (sends[p].present && !eager(sends[p])) {
+            keys.push_back(t_->unpack_key(p, tail + (d.inline_data ? d.send_bytes : 0)));
+            t_->put(p, sends[p].ptr, sends[p].bytes, d.recv_addr, *keys.back());
           }
-          keys.push_back(t_->unpack_key(p, t_->slot(p) + sizeof d));
-          t_->get(p, recvs[p].ptr, d.bytes, d.addr, *keys.back());
         }
         return left == 0;
       },
-      what, [&] { return "the blocks of ranks " + ranks_where(waiting); });
-  t_->complete(what);
-  keys.clear();
+      what, [&] { return "the descriptors of ranks " + ranks_where(waiting); });
   for (int p = 0; p < size_; ++p)
-    if (p != me && recvs[p].present) t_->signal_done(p);
+    if (partner[p]) t_->signal_done(p);
+  // Every partner's done: its block has landed here, and it has read this rank's descriptor (the
+  // slot may be written again).
   t_->wait_until(
       [&] {
         for (int p = 0; p < size_; ++p)
-          if (p != me && t_->done(p) < readers_[p]) return false;
+          if (partner[p] && t_->done(p) < exchanged_[p]) return false;
         return true;
       },
       what, [&] {
-        std::vector<bool> reading(size_, false);
-        for (int p = 0; p < size_; ++p) reading[p] = p != me && t_->done(p) < readers_[p];
-        return "ranks " + ranks_where(reading) + " to finish reading this rank's blocks";
+        std::vector<bool> missing(size_, false);
+        for (int p = 0; p < size_; ++p) missing[p] = partner[p] && t_->done(p) < exchanged_[p];
+        return "ranks " + ranks_where(missing) + " to put their blocks here";
       });
   t_->complete(what);
 }
@@ -154,7 +173,7 @@ void OneSidedBackend::reduce_blocks(const std::string& what, const at::Tensor& i
     recvs[p] = Block{true, parts[p].data_ptr(), size_t(mine) * es};
     srcs[p] = p == rank_ ? static_cast<const void*>(base + off[rank_] * es) : parts[p].data_ptr();
   }
-  exchange(what, &in, sends, recvs);
+  exchange(what, sends, recvs);
   if (mine > 0) kernels::reduce(in.scalar_type(), red, out, srcs.data(), size_, mine, size_);
 }
 
@@ -174,7 +193,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
       recvs[p] = Block{true, all[p].data_ptr(), t.nbytes()};
       srcs[p] = p == rank_ ? static_cast<const void*>(base) : all[p].data_ptr();
     }
-    exchange(what, &t, sends, recvs);
+    exchange(what, sends, recvs);
     kernels::reduce(t.scalar_type(), red, base, srcs.data(), size_, n, size_);
     return;
   }
@@ -189,7 +208,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
     sends[p] = Block{true, base + off[rank_] * es, mine};
     recvs[p] = Block{true, base + off[p] * es, size_t(off[p + 1] - off[p]) * es};
   }
-  exchange(what + " all-gather", &t, sends, recvs);
+  exchange(what + " all-gather", sends, recvs);
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -222,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   } else {
     sends[root] = Block{true, t.data_ptr(), t.nbytes()};
   }
-  exchange(what, &t, sends, recvs);
+  exchange(what, sends, recvs);
   if (rank_ == root) kernels::reduce(t.scalar_type(), red, t.data_ptr(), srcs.data(), size_, t.numel(), size_);
   return done_work(rank_, c10d::OpType::REDUCE, tensors);
 }
@@ -238,7 +257,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor
       if (rank_ == root) sends[p] = Block{true, t.data_ptr(), t.nbytes()};
     }
     if (rank_ != root) recvs[root] = Block{true, t.data_ptr(), t.nbytes()};
-    exchange(op_name("broadcast"), &t, sends, recvs);
+    exchange(op_name("broadcast"), sends, recvs);
   }
   return done_work(rank_, c10d::OpType::BROADCAST, tensors);
 }
@@ -273,7 +292,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output
   const std::string what = op_name("all_to_all");
   TORCH_CHECK(sends[rank_].bytes == recvs[rank_].bytes, what, ": this rank sends itself ", sends[rank_].bytes,
               " bytes and expects ", recvs[rank_].bytes);
-  exchange(what, &input, sends, recvs);
+  exchange(what, sends, recvs);
   if (sends[rank_].bytes) std::memcpy(recvs[rank_].ptr, sends[rank_].ptr, sends[rank_].bytes);
   return done_work(rank_, c10d::OpType::ALLTOALL_BASE, {output});
 }
@@ -314,7 +333,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& outp
   char* out = static_cast<char*>(output.data_ptr());
   std::vector<Block> sends(size_, Block{true, input.data_ptr(), input.nbytes()}), recvs(size_);
   for (int p = 0; p < size_; ++p) recvs[p] = Block{true, out + size_t(p) * input.nbytes(), input.nbytes()};
-  exchange(what, &input, sends, recvs);
+  exchange(what, sends, recvs);
   // An input that already is this rank's row of the output (an in-place all_gather) stays.
   if (input.nbytes() && recvs[rank_].ptr != input.data_ptr())
     std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
@@ -355,7 +374,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<a
   } else {
     sends[root] = Block{true, in.data_ptr(), in.nbytes()};
   }
-  exchange(op_name("gather"), &in, sends, recvs);
+  exchange(op_name("gather"), sends, recvs);
   if (rank_ == root) {
     dense[rank_].copy_(in.view_as(dense[rank_]));
     for (int p = 0; p < size_; ++p)
@@ -388,7 +407,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>&
   } else {
     recvs[root] = Block{true, out.data_ptr(), out.nbytes()};
   }
-  exchange(op_name("scatter"), &flat, sends, recvs);
+  exchange(op_name("scatter"), sends, recvs);
   if (rank_ == root) out.copy_(inputs[0][rank_].view_as(out));
   if (!out.is_same(outputs[0])) outputs[0].copy_(out);
   return done_work(rank_, c10d::OpType::SCATTER, outputs);
@@ -397,7 +416,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::barrier(const c10d::BarrierOptions&) {
   ++seq_;
   std::vector<Block> all(size_, Block{true, nullptr, 0});
-  exchange(op_name("barrier"), nullptr, all, all);
+  exchange(op_name("barrier"), all, all);
   return done_work(rank_, c10d::OpType::BARRIER, {});
 }
 

@@ -3,23 +3,29 @@
 // HierarchicalBackend's rail, leaders and all-ranks collectives. gloo remains the engine where
 // this build has no UCX, and for point-to-point.
 //
-// Every collective is built on one exchange: each rank registers what it sends, puts a
-// descriptor (address, length, rkey) into each reader's control slot and announces it with an
-// atomic add; each reader gets the bytes straight into its output (one copy, no staging) and
-// adds one to the sender's done counter; an exchange ends when every reader of this rank is done.
-// Blocks up to kEagerBytes travel inside the descriptor instead (one put, no get: a round trip
-// less for small messages).
-//   broadcast     the root's tensor read by every rank
-//   all_to_all    block p read by rank p (the own block copied locally); list forms flattened
-//   all_gather    every rank's input read by every rank into its row of the output
-//   reduce_scatter  rank p reads block p of every input and reduces them in rank order
-//   gather/scatter  the root reads every block / every rank reads its block from the root
+// Every collective is built on one exchange between partners (ranks that send each other a block
+// in either direction): each rank posts each partner a descriptor (the size of the block it
+// sends, the size it expects back, and where in its registered memory that block goes; blocks up
+// to kEagerBytes travel inside the descriptor: one put, no registration), checks the partner's
+// against its own view (so both sides name a mismatch), puts its block straight into the
+// partner's output (one copy, no staging); once every partner's descriptor has passed it adds one
+// to each partner's done counter, ordered after its puts; an exchange ends when every partner is
+// done (so a mismatch anywhere fails every rank of the exchange).
+// Puts, not gets: over a stream transport (UCX over TCP) a get's request travels behind whatever
+// data the same connection already carries the other way, so two ranks reading each other took
+// turns (16 MiB each way between two hosts at 1 Gbit/s: 278 ms instead of 140). A put's data
+// follows the descriptor on the writer's own stream.
+//   broadcast     the root's tensor put to every rank
+//   all_to_all    block p put to rank p (the own block copied locally); list forms flattened
+//   all_gather    every rank's input put to every rank, into its row of the output
+//   reduce_scatter  block p of every input put to rank p, which reduces them in rank order
+//   gather/scatter  every block put to the root / the root puts each rank its block
 //   barrier       an exchange of empty blocks
-//   all_reduce    up to kOneShotMaxBytes: every rank reads every input and reduces them in rank
-//                 order; above: reduce-scatter (rank p reduces shard p in rank order), then
-//                 every rank reads every shard. Either way each element is reduced in rank
+//   all_reduce    up to kOneShotMaxBytes: every input put to every rank, which reduces them in
+//                 rank order; above: reduce-scatter (rank p reduces shard p in rank order), then
+//                 every shard put to every rank. Either way each element is reduced in rank
 //                 order over the group's ranks: results are bit-identical on every rank.
-//   reduce        the root reads every input and reduces in rank order
+//   reduce        every input put to the root, which reduces in rank order
 // Ops run synchronously on the calling thread (the HierarchicalBackend's worker) and return a
 // completed Work: the inter-host step is the whole op.
 #pragma once
@@ -43,6 +49,11 @@ class OneSidedBackend : public c10d::Backend {
   // "cam-ucx" or "cam-loopback".
   const std::string getBackendName() const override { return "cam-" + t_->name(); }
   void set_interrupt(std::function<void()> hook) { t_->set_interrupt(std::move(hook)); }
+  // Serving between ops (OneSidedTransport's contract): the owner's thread, idle, calls
+  // drain_and_arm() and sleeps on event_fd() until it is readable. An exchange ends when this
+  // rank has every partner's block, not when its own have left: their tail moves as it serves.
+  int event_fd() const { return t_->event_fd(); }
+  bool drain_and_arm() { return t_->drain_and_arm(); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -67,16 +78,14 @@ class OneSidedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
  private:
-  // What this rank lets peer p read (bytes from `base`, inside the registered send tensor) and
-  // what it reads from peer p (into `dst`). `sends` / `recvs` hold one entry per rank; an entry
-  // with present == false takes no part.
+  // What this rank sends peer p and where peer p's block goes. `sends` / `recvs` hold one entry
+  // per rank; an entry with present == false takes no part.
   struct Block {
     bool present = false;
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  void exchange(const std::string& what, const at::Tensor* send_region, const std::vector<Block>& sends,
-                const std::vector<Block>& recvs);
+  void exchange(const std::string& what, const std::vector<Block>& sends, const std::vector<Block>& recvs);
   void allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op);
   // Rank p reduces, in rank order, block p (elements off[p] .. off[p + 1]) of every rank's `in`
   // into `out`, which holds this rank's block's elements and may be that block itself.
@@ -86,11 +95,11 @@ class OneSidedBackend : public c10d::Backend {
   int root_of(int64_t root, const char* op) const;  // raises unless root is a rank of the group
 
   std::unique_ptr<OneSidedTransport> t_;
-  // Buffers peers' blocks are read into, recycled across ops (fresh ones page-fault every call).
+  // Buffers peers' blocks are put into, recycled across ops (fresh ones page-fault every call).
   std::shared_ptr<RecyclingPool> scratch_ = std::make_shared<RecyclingPool>(512ll << 20);
   uint64_t seq_ = 0;
-  std::vector<uint64_t> consumed_;  // descriptors read from each peer
-  std::vector<uint64_t> readers_;   // exchanges in which each peer read this rank's memory
+  std::vector<uint64_t> consumed_;   // descriptors read from each peer
+  std::vector<uint64_t> exchanged_;  // exchanges this rank took part in with each peer
 };
 
 }  // namespace cam

@@ -43,9 +43,9 @@ std::unique_ptr<MemoryRegion> LoopbackTransport::register_memory(void* base, siz
 
 std::unique_ptr<RemoteKey> LoopbackTransport::unpack_key(int, const void*) { return std::make_unique<LoopbackKey>(); }
 
-void LoopbackTransport::get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey&) {
-  if (fabric_->dead(peer)) raise("cam loopback get", str("rank ", peer, " is gone (marked dead)"));
-  std::memcpy(dst, reinterpret_cast<const void*>(remote_addr), bytes);
+void LoopbackTransport::put(int peer, const void* src, size_t bytes, uint64_t remote_addr, const RemoteKey&) {
+  if (fabric_->dead(peer)) raise("cam loopback put", str("rank ", peer, " is gone (marked dead)"));
+  std::memcpy(reinterpret_cast<void*>(remote_addr), src, bytes);
 }
 
 void LoopbackTransport::post(int peer, std::vector<uint8_t> bytes) {

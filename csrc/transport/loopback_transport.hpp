@@ -1,7 +1,7 @@
 // LoopbackTransport: OneSidedTransport for ranks that are threads of one process, so the
 // inter-host algorithms run in tests without hosts, sockets or UCX, with faults injected on
 // purpose. A LoopbackFabric holds every rank's control window; memory is read in place (this
-// process's addresses are every rank's), get() is a memcpy and post() a copy plus a release add.
+// process's addresses are every rank's), put() is a memcpy and post() a copy plus a release add.
 // Faults: mark_dead(r) makes every wait of the other ranks raise as for a lost endpoint;
 // fail_posts_to(r) makes every post to r raise as a failed put.
 #pragma once
@@ -51,7 +51,7 @@ class LoopbackTransport : public OneSidedTransport {
 
   std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) override;
   std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) override;
-  void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
+  void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
   void post(int peer, std::vector<uint8_t> bytes) override;
   void signal_done(int peer) override;
   void complete(const std::string&) override {}

@@ -5,17 +5,22 @@
 // Contract:
 //   - Each rank owns a control window that peers write: posted[q] and done[q] (64-bit counters
 //     peer q adds to) and slot[q] (kSlotBytes peer q writes with post()).
-//   - register_memory() makes local memory readable by peers; its packed key travels inside a
-//     descriptor and unpack_key() turns it into the key get() needs.
-//   - get() and post() are non-blocking; complete() waits for every one issued so far. post()
-//     puts bytes into this rank's slot at the peer (the transport keeps them until complete())
-//     and then adds one to the peer's posted[rank], ordered so that a peer that sees the count
-//     sees the bytes. signal_done() adds one to the peer's done[rank].
+//   - register_memory() makes local memory writable by peers; its packed key travels inside a
+//     descriptor and unpack_key() turns it into the key put() needs.
+//   - put() and post() are non-blocking; complete() waits for every one issued so far (a put's
+//     source must stay valid until then). post() puts bytes into this rank's slot at the peer
+//     (the transport keeps them until complete()) and then adds one to the peer's posted[rank],
+//     ordered so that a peer that sees the count sees the bytes. signal_done() adds one to the
+//     peer's done[rank], ordered after every put to that peer issued before it.
 //   - wait_until() is the one wait of every transport: it drives progress() until the predicate
 //     holds and raises FatalError at the deadline (naming what it waited for), when lost_peer()
 //     reports a peer gone, or when the interrupt hook (called every liveness interval, and
 //     before a peer's loss is reported, so that a cause published first wins) throws. Between
 //     passes that made no progress it calls idle(): each transport's way not to burn a core.
+//   - Between ops the owner serves the transport: drain_and_arm() progresses until nothing moves
+//     and arms event_fd(), which becomes readable when there is more to do (-1: a transport
+//     with nothing to serve). Over a stream (UCX over TCP) the tail of a put, and the done
+//     behind it, move only while the sender progresses, and its peer may still wait for them.
 //   - Every error reads "<what> on rank r of group G: <why>" (raise()).
 #pragma once
 
@@ -42,7 +47,7 @@ class RemoteKey {
 
 class OneSidedTransport {
  public:
-  static constexpr size_t kSlotBytes = 17 << 10;
+  static constexpr size_t kSlotBytes = 18 << 10;
 
   virtual ~OneSidedTransport() = default;
   virtual std::string name() const = 0;  // "ucx", "loopback": for messages
@@ -52,7 +57,7 @@ class OneSidedTransport {
 
   virtual std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) = 0;
   virtual std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) = 0;
-  virtual void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) = 0;
+  virtual void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, const RemoteKey& key) = 0;
   virtual void post(int peer, std::vector<uint8_t> bytes) = 0;
   virtual void signal_done(int peer) = 0;
   virtual void complete(const std::string& what) = 0;
@@ -60,6 +65,9 @@ class OneSidedTransport {
   virtual uint64_t posted(int from) const = 0;
   virtual uint64_t done(int from) const = 0;
   virtual const uint8_t* slot(int from) const = 0;
+
+  virtual int event_fd() const { return -1; }
+  virtual bool drain_and_arm() { return true; }  // false: events were queued (call again)
 
   // `waiting_for` (may be empty) says, for the timeout's message, what has not arrived.
   void wait_until(const std::function<bool()>& ready, const std::string& what,

@@ -207,8 +207,8 @@ std::unique_ptr<RemoteKey> UcxTransport::unpack_key(int peer, const void* packed
   return std::make_unique<UcxRemoteKey>(peers_.at(peer)->ep, packed);
 }
 
-void UcxTransport::get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) {
-  get(peer, dst, bytes, remote_addr, static_cast<const UcxRemoteKey&>(key).get());
+void UcxTransport::put(int peer, const void* src, size_t bytes, uint64_t remote_addr, const RemoteKey& key) {
+  put(peer, src, bytes, remote_addr, static_cast<const UcxRemoteKey&>(key).get());
 }
 
 void UcxTransport::track(void* status_ptr, int peer, const char* kind) {
@@ -221,6 +221,7 @@ void UcxTransport::track(void* status_ptr, int peer, const char* kind) {
 
 void UcxTransport::put(int peer, const void* src, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey) {
   if (bytes == 0) return;
+  unfenced_puts_ = true;
   ucp_request_param_t rp{};
   track(ucp_put_nbx(peers_[peer]->ep, src, bytes, remote_addr, rkey, &rp), peer, "put");
 }
@@ -243,6 +244,7 @@ void UcxTransport::add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t
 }
 
 void UcxTransport::fence() {
+  unfenced_puts_ = false;
   const ucs_status_t s = ucp_worker_fence(worker_);
   if (s != UCS_OK) raise("cam UCX fence", status_text(s));
 }
@@ -345,6 +347,7 @@ void UcxTransport::post(int peer, std::vector<uint8_t> bytes) {
 
 void UcxTransport::signal_done(int peer) {
   const Peer& p = *peers_[peer];
+  if (unfenced_puts_) fence();  // after the puts that the count announces
   add(peer, p.window + 8 * size_t(opts_.size + opts_.rank), p.rkey->get(), 1);
 }
 

@@ -7,7 +7,7 @@
 //   - Each instance owns one UCP context and worker (used by one thread at a time), an endpoint
 //     per peer in peer-error mode, and a registered control window:
 //       posted[q]  counter peer q increments after putting a descriptor into slot[q]
-//       done[q]    counter peer q increments when it has finished reading this rank's memory
+//       done[q]    counter peer q increments when its puts into this rank's memory have landed
 //       slot[q]    kSlotBytes that peer q writes with put (a descriptor: address, length and
 //                  rkey, or a small message itself)
 //     Worker addresses and the window's rkey are exchanged through the group's store at
@@ -16,8 +16,8 @@
 //     orders the ones issued before it ahead of the ones issued after (a descriptor put, then the
 //     counter add that announces it).
 //   - Over TCP UCX emulates RMA and atomics with messages that the target handles in its own
-//     progress: a rank whose memory is being read must be waiting in this transport (every
-//     wait progresses the worker) until its readers signal done.
+//     progress: a rank whose memory is being written or read must be waiting in this transport
+//     (every wait progresses the worker) until its peers signal done.
 //   - Every wait has the group's deadline, raises FatalError naming the op, the rank and the peer
 //     when a peer's endpoint fails (a dead or unreachable process is an endpoint error, never a
 //     pid check), and calls the interrupt hook every liveness interval, which may throw (a failure
@@ -119,7 +119,7 @@ class UcxTransport : public OneSidedTransport {
 
   std::unique_ptr<MemoryRegion> register_memory(void* base, size_t bytes) override;
   std::unique_ptr<RemoteKey> unpack_key(int peer, const void* packed) override;
-  void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
+  void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, const RemoteKey& key) override;
   void post(int peer, std::vector<uint8_t> bytes) override;
   void signal_done(int peer) override;
   void complete(const std::string& what) override;
@@ -150,10 +150,11 @@ class UcxTransport : public OneSidedTransport {
   // Why the peer's endpoint failed ("" while it has not).
   std::string peer_failure(int peer) const;
   // For a thread that serves peers' operations on this rank's memory while its owner computes
-  // (over TCP the target's progress carries them out): progresses until nothing moves and arms
-  // the event descriptor. False when events were already queued (call again before sleeping).
-  bool drain_and_arm();
-  int event_fd() const { return efd_; }
+  // (over TCP the target's progress carries them out), and this rank's own sends that did not
+  // fit the socket: progresses until nothing moves and arms the event descriptor. False when
+  // events were already queued (call again before sleeping).
+  bool drain_and_arm() override;
+  int event_fd() const override { return efd_; }
   // Ends a sleep on event_fd() from any thread (ucp_worker_signal).
   void wake();
 
@@ -187,6 +188,7 @@ class UcxTransport : public OneSidedTransport {
   std::vector<Request> pending_;
   std::vector<std::vector<uint8_t>> outbox_;  // per peer: the bytes of its post() being put
   std::deque<uint64_t> operands_;            // the operands of the adds not yet complete
+  bool unfenced_puts_ = false;               // a put issued since the last fence()
 };
 
 // The records ranks exchange through the store (addresses, lengths, then packed keys).
