@@ -1,7 +1,6 @@
 #include "hierarchical_backend.hpp"
 
 #include <ATen/core/ivalue.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -153,6 +152,8 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
   if (!served_.empty()) {
     wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     TORCH_CHECK(wake_fd_ >= 0, "cam: cannot create the worker's eventfd: ", std::strerror(errno));
+    idle_fds_.push_back({wake_fd_, POLLIN, 0});
+    for (auto* b : served_) idle_fds_.push_back({b->event_fd(), POLLIN, 0});
   }
   worker_ = std::thread([this] { worker_main(); });
 }
@@ -245,10 +246,8 @@ void HierarchicalBackend::serve_between_ops() {
   bool armed = true;
   for (auto* b : served_) armed = b->drain_and_arm() && armed;
   if (!armed) return;  // events were queued: progress them first
-  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
-  for (auto* b : served_) fds.push_back({b->event_fd(), POLLIN, 0});
   // Woken by traffic or by a queued task; the bound only limits the cost of a missed wakeup.
-  ::poll(fds.data(), fds.size(), 100);
+  ::poll(idle_fds_.data(), idle_fds_.size(), 100);
   uint64_t count;
   [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
 }

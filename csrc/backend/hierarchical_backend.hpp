@@ -33,6 +33,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <poll.h>
 #include <thread>
 
 #include "../core/recycling_pool.hpp"
@@ -228,6 +229,7 @@ class HierarchicalBackend : public c10d::Backend {
   std::once_flag shutdown_once_;
   std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
   int wake_fd_ = -1;                      // an eventfd written by enqueue() and shutdown()
+  std::vector<pollfd> idle_fds_;          // wake_fd_, then each served engine's event fd
 };
 
 }  // namespace cam

@@ -112,6 +112,13 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
           Descriptor d;
           std::memcpy(&d, t_->slot(p), sizeof d);
           const uint8_t* tail = t_->slot(p) + sizeof d;
+          // What the slot says it holds must fit the slot: a descriptor of another build or a
+          // torn write raises here instead of reading past it.
+          const uint64_t inline_bytes = d.inline_data ? d.send_bytes : 0;
+          if ((d.inline_data && d.send_bytes > kEagerBytes) ||
+              sizeof d + inline_bytes + d.key_bytes > OneSidedTransport::kSlotBytes)
+            t_->raise(what, str("rank ", p, "'s descriptor does not fit its slot (", inline_bytes, " inline bytes, a ",
+                               d.key_bytes, "-byte key, slot of ", OneSidedTransport::kSlotBytes, ")"));
           if (d.seq != seq)
             t_->raise(what, str("rank ", p, " is in inter-host op seq ", d.seq, ", this rank in seq ", seq,
                                " (the ranks issued different collectives)"));
@@ -123,9 +130,11 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
           if (d.recv_bytes != mine)
             t_->raise(what, str("rank ", p, " expects ", bytes_text(d.recv_bytes), ", this rank sends ",
                                bytes_text(mine)));
-          if (d.inline_data && d.send_bytes) std::memcpy(recvs[p].ptr, tail, d.send_bytes);
+          if (inline_bytes) std::memcpy(recvs[p].ptr, tail, inline_bytes);
           if (sends[p].present && !eager(sends[p])) {
-            keys.push_back(t_->unpack_key(p, tail + (d.inline_data ? d.send_bytes : 0)));
+            if (d.key_bytes == 0)
+              t_->raise(what, str("rank ", p, " expects ", d.recv_bytes, " bytes but sent no key to put them with"));
+            keys.push_back(t_->unpack_key(p, tail + inline_bytes));
             t_->put(p, sends[p].ptr, sends[p].bytes, d.recv_addr, *keys.back());
           }
         }
