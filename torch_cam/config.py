@@ -57,7 +57,9 @@ class Options:
     sleep_max_us: int = 500
     #: How often a waiting rank checks that its peers are alive.
     liveness_interval_ms: int = 50
-    #: Poll interval of the background progress thread for ops nobody waits on.
+    #: Poll interval of the background progress thread for ops nobody waits on; while every op
+    #: is waited by its issuer the polls stretch to 8x this (an unwaited op is then picked up
+    #: within 8x), since each poll is a timer wake that oversubscribed ranks pay for.
     progress_interval_us: int = 500
 
     #: What the group logs to stderr: "error", "warn", "info" (at init: what the group chose)
