@@ -198,15 +198,19 @@ uint64_t HierarchicalBackend::getSequenceNumberForGroup() {
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, std::string name,
                                                             std::vector<at::Tensor> outputs, Body body) {
   auto work = c10::make_intrusive<HierarchicalWork>(rank_, type, outputs);
+  bool wake;
   {
     std::lock_guard<std::mutex> lk(mu_);
     TORCH_CHECK(!stop_, "cam ", name, " on rank ", rank_, " of group ", group_desc_, ": the group was shut down");
     const uint64_t seq = ++seq_;
     queue_.push_back(Task{str("cam ", name, " (seq ", seq, ") on rank ", rank_, " of group ", group_desc_),
                           std::move(body), [work](std::exception_ptr e) { work->finish_with(e); }});
+    // A busy worker finds the task when its current one ends: only an idle one needs the
+    // eventfd (a syscall per op otherwise).
+    wake = worker_idle_;
   }
   cv_.notify_one();
-  ring(wake_fd_);
+  if (wake) ring(wake_fd_);
   return work;
 }
 
@@ -218,11 +222,13 @@ void HierarchicalBackend::worker_main() {
       const auto ready = [this] { return stop_ || !queue_.empty(); };
       if (served_.empty()) cv_.wait(lk, ready);
       if (!ready()) {
+        worker_idle_ = true;
         lk.unlock();
         serve_between_ops();
         continue;
       }
       if (queue_.empty()) return;
+      worker_idle_ = false;
       task = std::move(queue_.front());
       queue_.pop_front();
     }

@@ -228,7 +228,8 @@ class HierarchicalBackend : public c10d::Backend {
   std::thread worker_;
   std::once_flag shutdown_once_;
   std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
-  int wake_fd_ = -1;                      // an eventfd written by enqueue() and shutdown()
+  int wake_fd_ = -1;                      // an eventfd written by shutdown() and by enqueue() while the worker is idle
+  bool worker_idle_ = false;              // (under mu_) the worker found no task and serves: enqueue rings
   std::vector<pollfd> idle_fds_;          // wake_fd_, then each served engine's event fd
 };
 
