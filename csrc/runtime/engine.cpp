@@ -321,12 +321,11 @@ void Engine::progress_thread_main() {
   Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us,
                   [this](int64_t us) { park(us, [] { return false; }); });
   // Polls while ops are in flight, at progress_interval_us after it last found an op that
-  // nobody waited on, doubling per poll that finds none up to kMaxIntervalFactor times that:
+  // nobody waited on, doubling per poll that finds none up to kMaxPollStretch times that:
   // where every op is waited by its issuer (the blocking style), each poll only costs a timer
   // wake, and with 8 ranks on 2 cores those wakes made small ops 20-30% slower. An op nobody
   // waits on is picked up within the current interval, and the thread then drives it without
   // sleeping.
-  constexpr int kMaxIntervalFactor = 8;
   const auto base = std::chrono::microseconds(cfg_.progress_interval_us);
   auto interval = base;
   const auto park_after = std::chrono::milliseconds(100);
@@ -346,7 +345,7 @@ void Engine::progress_thread_main() {
         interval = base;
       } else {
         thread_cv_.wait_for(lk, interval);
-        interval = std::min(interval * 2, base * kMaxIntervalFactor);
+        interval = std::min(interval * 2, base * kMaxPollStretch);
       }
       continue;
     }
