@@ -30,13 +30,13 @@ namespace cam {
 
 class Engine {
  public:
-  // windows: where the op families' structures lie in the heap's windows (OpWindows::reserve
-  // on the layout the heap was built with). group: how the flight recorder and log lines name
-  // the group.
   // The progress thread's poll interval stretches up to this many times progress_interval_us
   // while every op is waited by its issuer (progress_thread_main says why).
   static constexpr int kMaxPollStretch = 8;
 
+  // windows: where the op families' structures lie in the heap's windows (OpWindows::reserve
+  // on the layout the heap was built with). group: how the flight recorder and log lines name
+  // the group.
   Engine(std::unique_ptr<SymmetricHeap> heap, OpWindows windows, CamConfig cfg, FlightRecorder::Group group);
   ~Engine();
   void shutdown();
