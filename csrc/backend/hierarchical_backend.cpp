@@ -10,6 +10,7 @@
 #include <map>
 
 #include "../core/errors.hpp"
+#include "../core/log.hpp"
 #include "one_sided_backend.hpp"
 
 namespace cam {
@@ -150,9 +151,15 @@ HierarchicalBackend::HierarchicalBackend(int rank, int size, HostMap map, c10::i
         served_.push_back(one_sided);
     }
   if (!served_.empty()) {
+    // Without the eventfd (descriptors exhausted) this rank still works, its idle worker
+    // polling instead of being rung: raising here would fail this rank alone and leave its peers
+    // to their first op's deadline.
     wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    TORCH_CHECK(wake_fd_ >= 0, "cam: cannot create the worker's eventfd: ", std::strerror(errno));
-    idle_fds_.push_back({wake_fd_, POLLIN, 0});
+    if (wake_fd_ < 0 && local_->engine()->config().log_level >= LogLevel::kWarn)
+      log_line(LogLevel::kWarn, local_->engine()->who(),
+               str("cannot create the inter-host worker's eventfd (", std::strerror(errno), "): its idle worker polls every ",
+                   kUnrungPollMs, " ms instead"));
+    if (wake_fd_ >= 0) idle_fds_.push_back({wake_fd_, POLLIN, 0});
     for (auto* b : served_) idle_fds_.push_back({b->event_fd(), POLLIN, 0});
   }
   worker_ = std::thread([this] { worker_main(); });
@@ -253,9 +260,11 @@ void HierarchicalBackend::serve_between_ops() {
   for (auto* b : served_) armed = b->drain_and_arm() && armed;
   if (!armed) return;  // events were queued: progress them first
   // Woken by traffic or by a queued task; the bound only limits the cost of a missed wakeup.
-  ::poll(idle_fds_.data(), idle_fds_.size(), 100);
-  uint64_t count;
-  [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
+  ::poll(idle_fds_.data(), idle_fds_.size(), wake_fd_ >= 0 ? kMissedWakePollMs : kUnrungPollMs);
+  if (wake_fd_ >= 0 && (idle_fds_.front().revents & POLLIN)) {
+    uint64_t count;
+    [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
+  }
 }
 
 void HierarchicalBackend::fail_group(const std::string& why) {

@@ -151,6 +151,8 @@ class HierarchicalBackend : public c10d::Backend {
   // The idle worker's wait when one-sided engines need serving between ops: serves each, then
   // sleeps until one has traffic or a task is queued (wake_fd_).
   void serve_between_ops();
+  static constexpr int kMissedWakePollMs = 100;  // the idle worker's poll bound with an eventfd
+  static constexpr int kUnrungPollMs = 1;        // and without one (nothing rings it)
   void fail_group(const std::string& why);
   // Waits for a step: inner steps raise through cam's own waits; inter-host steps block on their
   // Future and wake every liveness interval, so that a failure another host published in the
@@ -230,7 +232,7 @@ class HierarchicalBackend : public c10d::Backend {
   std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
   int wake_fd_ = -1;                      // an eventfd written by shutdown() and by enqueue() while the worker is idle
   bool worker_idle_ = false;              // (under mu_) the worker found no task and serves: enqueue rings
-  std::vector<pollfd> idle_fds_;          // wake_fd_, then each served engine's event fd
+  std::vector<pollfd> idle_fds_;          // wake_fd_ (where there is one), then each served engine's event fd
 };
 
 }  // namespace cam

@@ -394,7 +394,9 @@ std::string UcxTransport::lost_peer() const {
 bool UcxTransport::drain_and_arm() {
   while (ucp_worker_progress(worker_) != 0) {
   }
-  return ucp_worker_arm(worker_) == UCS_OK;
+  // BUSY: events came in meanwhile. Any other failure to arm also returns true: the caller's
+  // poll is bounded, and looping here would burn a core.
+  return ucp_worker_arm(worker_) != UCS_ERR_BUSY;
 }
 
 void UcxTransport::wake() { ucp_worker_signal(worker_); }
