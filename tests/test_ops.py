@@ -173,6 +173,24 @@ class CamOpsCases(CamProcessGroupCase):
         expected = torch.cat([make((w * 1000,), torch.int32, seed=j)[r * 1000:(r + 1) * 1000] for j in range(w)])
         self.assertTrue(same_bytes(work.get_future().value()[0], expected))
 
+    # ---------------------------------------------------------------- profiler
+    def test_profiler_names_ops_with_their_shapes(self):
+        # The Work hands its title and inputs to the profiler only while one listens.
+        w, r = self.world_size, self.rank
+        x = torch.full((3, 5), float(r))
+        y = torch.zeros(7)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            dist.all_reduce(x)
+            s = dist.isend(torch.full((7,), float(r)), (r + 1) % w)
+            dist.recv(y, (r - 1) % w)
+            s.wait()
+        self.assertTrue(torch.equal(x, torch.full((3, 5), float(w * (w - 1) // 2))))
+        self.assertTrue(torch.equal(y, torch.full((7,), float((r - 1) % w))))
+        shapes = {e.name: e.input_shapes for e in prof.events() if e.name.startswith("cam:")}
+        self.assertEqual(shapes.get("cam:all_reduce"), [[3, 5]], shapes)
+        self.assertEqual(shapes.get("cam:send"), [[7]], shapes)
+        self.assertEqual(shapes.get("cam:recv"), [[7]], shapes)
+
     # ---------------------------------------------------------------- p2p
     def test_send_recv_ring_nonblocking(self):
         # isend returns at once even for messages many times the outbox: a ring of blocking

@@ -6,6 +6,7 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 
 #include <atomic>
 
@@ -150,5 +151,9 @@ class Op {
   int wait_peer_ = -1, blocked_on_ = -1;
   const char* wait_what_ = "";
 };
+
+// The ops a progress pass finished, completed after the pass outside the engine's lock. A pass
+// rarely finishes more than a few, so they stay inline (no allocation per op).
+using FinishedOps = c10::SmallVector<std::shared_ptr<Op>, 4>;
 
 }  // namespace cam

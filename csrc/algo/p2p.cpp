@@ -254,7 +254,7 @@ bool P2PEngine::progress_tx(Context& ctx, int dst) {
       s.waiting_on(dst);
       break;
     }
-    tx_unacked_[dst].emplace(s.seq(), q.front());
+    tx_unacked_[dst].emplace_back(s.seq(), q.front());
     q.pop_front();
   }
   if (head != head0) {

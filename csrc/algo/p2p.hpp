@@ -28,8 +28,6 @@
 #pragma once
 
 #include <deque>
-#include <list>
-#include <map>
 #include <memory>
 
 #include "op.hpp"
@@ -93,7 +91,7 @@ class RecvOp final : public Op {
 class P2PEngine {
  public:
   explicit P2PEngine(int world_size);
-  using Finished = std::vector<std::shared_ptr<Op>>;
+  using Finished = FinishedOps;
   void add_send(std::shared_ptr<SendOp> op);
   void post_recv(Context& ctx, std::shared_ptr<RecvOp> op, Finished& finished);
   bool progress(Context& ctx, Finished& finished);
@@ -124,11 +122,13 @@ class P2PEngine {
 
   int world_;
   std::vector<std::deque<std::shared_ptr<SendOp>>> tx_queue_;
-  std::vector<std::map<uint64_t, std::shared_ptr<SendOp>>> tx_unacked_;
+  // Per destination, the sends written and not yet acknowledged, by message index (ascending:
+  // messages are written in index order). Deques keep their storage: no allocation per op.
+  std::vector<std::deque<std::pair<uint64_t, std::shared_ptr<SendOp>>>> tx_unacked_;
   std::vector<uint64_t> tx_head_, tx_msgs_, rx_tail_, rx_msgs_;
   std::vector<std::shared_ptr<Record>> rx_cur_;
   std::vector<std::deque<std::shared_ptr<Record>>> unexpected_;
-  std::list<std::shared_ptr<RecvOp>> posted_;
+  std::deque<std::shared_ptr<RecvOp>> posted_;  // recvs waiting for a message, in posting order
   int any_source_start_ = 0;
 };
 

@@ -355,7 +355,8 @@ void KVTransfer::run(KVTransferJob& job) {
 c10::intrusive_ptr<c10d::Work> KVTransfer::submit(std::shared_ptr<KVTransferJob> job) {
   auto op = std::make_shared<KVTransferOp>(shared_from_this(), std::move(job), Clock::now() + 2 * timeout_);
   engine_->submit(op);
-  return c10::make_intrusive<CamWork>(engine_, op, rank_, c10d::OpType::UNKNOWN, "cam:kv_transfer", std::nullopt);
+  return c10::make_intrusive<CamWork>(engine_, op, rank_, c10d::OpType::UNKNOWN, "cam:kv_transfer",
+                                      std::vector<at::Tensor>{});
 }
 
 // ---- notifications --------------------------------------------------------------------------

@@ -5,11 +5,12 @@
 namespace cam {
 
 CamWork::CamWork(std::shared_ptr<Engine> engine, std::shared_ptr<Op> op, int rank,
-                 c10d::OpType type, const char* profiling_title,
-                 std::optional<std::vector<at::Tensor>> inputs)
+                 c10d::OpType type, const char* profiling_title, const std::vector<at::Tensor>& inputs)
     // With a title, c10d::Work builds a RecordFunction for the profiler on every op; without
-    // profiler callbacks it would stay inactive, so it is only asked for when they exist.
-    : c10d::Work(rank, type, at::hasCallbacks() ? profiling_title : nullptr, inputs),
+    // profiler callbacks it would stay inactive, so the title and a copy of the inputs (which
+    // only the profiler reads) are passed only when callbacks exist.
+    : c10d::Work(rank, type, at::hasCallbacks() ? profiling_title : nullptr,
+                 at::hasCallbacks() ? std::optional<std::vector<at::Tensor>>(inputs) : std::nullopt),
       engine_(std::move(engine)), op_(std::move(op)) {}
 
 bool CamWork::isCompleted() {

@@ -10,8 +10,9 @@ namespace cam {
 
 class CamWork : public c10d::Work {
  public:
+  // The profiler (when it listens) notes the op under `profiling_title` with its `inputs`.
   CamWork(std::shared_ptr<Engine> engine, std::shared_ptr<Op> op, int rank, c10d::OpType type,
-          const char* profiling_title, std::optional<std::vector<at::Tensor>> inputs);
+          const char* profiling_title, const std::vector<at::Tensor>& inputs);
 
   bool isCompleted() override;
   bool isSuccess() const override;

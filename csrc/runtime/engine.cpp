@@ -107,7 +107,7 @@ bool Engine::wait(const Op& op, std::chrono::milliseconds timeout) {
   Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us,
                   [&](int64_t us) { park(us, [&] { return fut->completed(); }); });
   const bool bounded = timeout.count() > 0;
-  const auto until = Clock::now() + timeout;
+  const auto until = bounded ? Clock::now() + timeout : Clock::time_point::max();
   bool ok = true;
   while (!fut->completed()) {
     if (drive_and_complete()) backoff.reset();
@@ -124,7 +124,8 @@ bool Engine::wait(const Op& op, std::chrono::milliseconds timeout) {
 void Engine::absorb_incoming(Finished& finished) {
   // Most passes (a waiter's polls) find nothing queued: they skip the lock.
   if (!has_incoming_.load(std::memory_order_acquire)) return;
-  std::vector<std::shared_ptr<Op>> ops;
+  // The two vectors trade places, so each keeps its capacity: queueing allocates nothing.
+  std::vector<std::shared_ptr<Op>>& ops = absorbing_;
   {
     std::lock_guard<std::mutex> lk(submit_mu_);
     ops.swap(incoming_);
@@ -146,6 +147,7 @@ void Engine::absorb_incoming(Finished& finished) {
       case Op::Family::kOneSided: one_sided_.push_back(std::move(op)); break;
     }
   }
+  ops.clear();
 }
 
 bool Engine::drive_once(Finished& finished) {

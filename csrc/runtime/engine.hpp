@@ -65,7 +65,7 @@ class Engine {
   const std::string& who() const { return who_; }
 
  private:
-  using Finished = std::vector<std::shared_ptr<Op>>;
+  using Finished = FinishedOps;
   bool drive_once(Finished& finished);
   bool drive_and_complete();
   // The sleep tier of this engine's waiters: park on the heap until a peer that the pending
@@ -96,6 +96,7 @@ class Engine {
   std::atomic<bool> has_incoming_{false};  // incoming_ is not empty (set under submit_mu_)
 
   std::mutex drive_mu_;  // guards everything below until the thread fields
+  std::vector<std::shared_ptr<Op>> absorbing_;  // incoming_'s ops being sorted into the queues below
   std::deque<std::shared_ptr<Op>> collectives_;
   std::vector<std::shared_ptr<Op>> one_sided_;  // neither collective nor p2p (KV transfers)
   std::vector<std::shared_ptr<Op>> pending_;  // every op not yet finished (deadlines, failure)

@@ -14,9 +14,9 @@ void OpIssuer::collect(const c10::intrusive_ptr<c10d::Work>& work) {
 }
 
 c10::intrusive_ptr<c10d::Work> OpIssuer::issue(std::shared_ptr<Op> op, c10d::OpType type, const char* title,
-                                               std::vector<at::Tensor> inputs) {
+                                               const std::vector<at::Tensor>& inputs) {
   engine_->submit(op, &inputs);
-  auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
+  auto work = c10::make_intrusive<CamWork>(engine_, std::move(op), rank_, type, title, inputs);
   if (coalescing_.load(std::memory_order_relaxed)) {  // set and cleared by this issuing thread
     std::lock_guard<std::mutex> lk(mu_);
     collect(work);

@@ -36,11 +36,11 @@ class OpIssuer {
 
   // Issues an op that is not a collective (p2p).
   c10::intrusive_ptr<c10d::Work> issue(std::shared_ptr<Op> op, c10d::OpType type, const char* title,
-                                       std::vector<at::Tensor> inputs);
+                                       const std::vector<at::Tensor>& inputs);
   // Issues make(next sequence number) as the group's next collective.
   template <typename MakeOp>
   c10::intrusive_ptr<c10d::Work> issue_collective(MakeOp make, c10d::OpType type, const char* title,
-                                                  std::vector<at::Tensor> inputs);
+                                                  const std::vector<at::Tensor>& inputs);
   // Runs `build` (which checks its arguments and calls issue_collective); a refusal of the
   // arguments becomes a RefusedOp of kind `kind` named `op` (see above).
   template <typename Build>
@@ -80,12 +80,12 @@ inline std::string argument_error_reason() {
 
 template <typename MakeOp>
 c10::intrusive_ptr<c10d::Work> OpIssuer::issue_collective(MakeOp make, c10d::OpType type, const char* title,
-                                                          std::vector<at::Tensor> inputs) {
+                                                          const std::vector<at::Tensor>& inputs) {
   std::lock_guard<std::mutex> lk(mu_);
   std::shared_ptr<Op> op = make(coll_seq_ + 1);
   ++coll_seq_;
   engine_->submit(op, &inputs);
-  auto work = c10::make_intrusive<CamWork>(engine_, op, rank_, type, title, std::move(inputs));
+  auto work = c10::make_intrusive<CamWork>(engine_, std::move(op), rank_, type, title, inputs);
   collect(work);
   return work;
 }
