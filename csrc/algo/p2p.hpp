@@ -123,7 +123,8 @@ class P2PEngine {
   int world_;
   std::vector<std::deque<std::shared_ptr<SendOp>>> tx_queue_;
   // Per destination, the sends written and not yet acknowledged, by message index (ascending:
-  // messages are written in index order). Deques keep their storage: no allocation per op.
+  // messages are written in index order). A deque allocates a block per few dozen entries
+  // where a map or list allocates a node per op.
   std::vector<std::deque<std::pair<uint64_t, std::shared_ptr<SendOp>>>> tx_unacked_;
   std::vector<uint64_t> tx_head_, tx_msgs_, rx_tail_, rx_msgs_;
   std::vector<std::shared_ptr<Record>> rx_cur_;
