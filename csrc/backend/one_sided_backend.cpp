@@ -23,6 +23,8 @@ struct Descriptor {
   uint64_t recv_addr;   // where the partner puts it, when it exceeds kEagerBytes
   uint32_t inline_data; // 1: the sent block's bytes follow
   uint32_t key_bytes;   // the packed key's length (after the inline bytes)
+  uint32_t partners;    // how many partners this rank has in the exchange
+  uint32_t unused = 0;
 };
 constexpr uint64_t kAbsent = ~uint64_t(0);
 static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes + 1024 <= OneSidedTransport::kSlotBytes,
@@ -55,7 +57,7 @@ OneSidedBackend::OneSidedBackend(std::unique_ptr<OneSidedTransport> transport)
     : c10d::Backend(transport->rank(), transport->size()),
       t_(std::move(transport)),
       consumed_(size_, 0),
-      exchanged_(size_, 0) {}
+      dones_due_(size_, 0) {}
 
 int OneSidedBackend::root_of(int64_t root, const char* op) const {
   TORCH_CHECK(root >= 0 && root < size_, op_name(op), ": root ", root, " is not a rank of the group (size ", size_, ")");
@@ -74,9 +76,11 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
   std::vector<uint8_t> desc;
   int partners = 0;
   for (int p = 0; p < size_; ++p) {
-    if (p == me || !(sends[p].present || recvs[p].present)) continue;
-    partner[p] = true;
-    ++partners;
+    partner[p] = p != me && (sends[p].present || recvs[p].present);
+    partners += partner[p];
+  }
+  for (int p = 0; p < size_; ++p) {
+    if (!partner[p]) continue;
     const bool inline_data = sends[p].present && eager(sends[p]);
     const bool put_here = recvs[p].present && !eager(recvs[p]);
     if (put_here) regions[p] = t_->register_memory(recvs[p].ptr, recvs[p].bytes);
@@ -88,17 +92,21 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
                        recvs[p].present ? recvs[p].bytes : kAbsent,
                        put_here ? uint64_t(recvs[p].ptr) : 0,
                        inline_data,
-                       uint32_t(key)};
+                       uint32_t(key),
+                       uint32_t(partners)};
     std::memcpy(desc.data(), &d, sizeof d);
     if (data) std::memcpy(desc.data() + sizeof d, sends[p].ptr, data);
     if (key) std::memcpy(desc.data() + sizeof d + data, regions[p]->packed_key().data(), key);
     t_->post(p, std::move(desc));
-    ++exchanged_[p];
   }
   // As each partner's descriptor arrives: check it against this rank's view (both sides check,
   // so both name a mismatch), take an inline block and put this rank's block into the partner's
-  // memory. Done goes to the partners once every descriptor has passed (ordered after the
-  // puts): a mismatch anywhere leaves every partner of this rank waiting, to fail with it.
+  // memory. Once every descriptor has passed, done goes to each partner (ordered after the
+  // puts): a mismatch anywhere leaves every partner of this rank waiting, to fail with it. Two
+  // ranks that are each other's only partner skip it where no block is put: each sees every
+  // mismatch between them in the other's descriptor, so an exchange of small blocks between two
+  // ranks (every step between two hosts) is one message each way.
+  std::vector<bool> done_to(size_, false);
   std::vector<std::unique_ptr<RemoteKey>> keys;
   std::vector<bool> waiting = partner;
   int left = partners;
@@ -106,12 +114,12 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
       [&] {
         for (int p = 0; p < size_ && left > 0; ++p) {
           if (!waiting[p] || t_->posted(p) == consumed_[p]) continue;
-          ++consumed_[p];
           waiting[p] = false;
           --left;
+          const uint8_t* slot = t_->slot(p, consumed_[p]++);
           Descriptor d;
-          std::memcpy(&d, t_->slot(p), sizeof d);
-          const uint8_t* tail = t_->slot(p) + sizeof d;
+          std::memcpy(&d, slot, sizeof d);
+          const uint8_t* tail = slot + sizeof d;
           // What the slot says it holds must fit the slot: a descriptor of another build or a
           // torn write raises here instead of reading past it.
           const uint64_t inline_bytes = d.inline_data ? d.send_bytes : 0;
@@ -131,6 +139,9 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
             t_->raise(what, str("rank ", p, " expects ", bytes_text(d.recv_bytes), ", this rank sends ",
                                bytes_text(mine)));
           if (inline_bytes) std::memcpy(recvs[p].ptr, tail, inline_bytes);
+          const bool pairwise = partners == 1 && d.partners == 1;
+          done_to[p] = !pairwise || (sends[p].present && !eager(sends[p]));
+          if (!pairwise || (recvs[p].present && !eager(recvs[p]))) ++dones_due_[p];
           if (sends[p].present && !eager(sends[p])) {
             if (d.key_bytes == 0)
               t_->raise(what, str("rank ", p, " expects ", d.recv_bytes, " bytes but sent no key to put them with"));
@@ -142,19 +153,18 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
       },
       what, [&] { return "the descriptors of ranks " + ranks_where(waiting); });
   for (int p = 0; p < size_; ++p)
-    if (partner[p]) t_->signal_done(p);
-  // Every partner's done: its block has landed here, and it has read this rank's descriptor (the
-  // slot may be written again).
+    if (done_to[p]) t_->signal_done(p);
+  // Every partner's done: its block has landed here, and it has checked this rank's descriptor.
   t_->wait_until(
       [&] {
         for (int p = 0; p < size_; ++p)
-          if (partner[p] && t_->done(p) < exchanged_[p]) return false;
+          if (partner[p] && t_->done(p) < dones_due_[p]) return false;
         return true;
       },
       what, [&] {
         std::vector<bool> missing(size_, false);
-        for (int p = 0; p < size_; ++p) missing[p] = partner[p] && t_->done(p) < exchanged_[p];
-        return "ranks " + ranks_where(missing) + " to put their blocks here";
+        for (int p = 0; p < size_; ++p) missing[p] = partner[p] && t_->done(p) < dones_due_[p];
+        return "ranks " + ranks_where(missing) + " to be done (their blocks put here, this rank's descriptor checked)";
       });
   t_->complete(what);
 }

@@ -54,7 +54,9 @@ void LoopbackTransport::post(int peer, std::vector<uint8_t> bytes) {
   if (fabric_->failing_posts() == peer)
     raise("cam loopback post", str("the put to rank ", peer, " failed (injected fault)"));
   auto& w = fabric_->window(peer);
-  std::memcpy(w.slots.data() + size_t(rank_) * kSlotBytes, bytes.data(), bytes.size());
+  const uint64_t n = w.posted[rank_].load(std::memory_order_relaxed);  // this thread alone adds to it
+  std::memcpy(w.slots.data() + (size_t(rank_) * kSlotsPerPeer + n % kSlotsPerPeer) * kSlotBytes, bytes.data(),
+              bytes.size());
   w.posted[rank_].fetch_add(1, std::memory_order_release);
 }
 
@@ -70,8 +72,8 @@ uint64_t LoopbackTransport::done(int from) const {
   return fabric_->window(rank_).done[from].load(std::memory_order_acquire);
 }
 
-const uint8_t* LoopbackTransport::slot(int from) const {
-  return fabric_->window(rank_).slots.data() + size_t(from) * kSlotBytes;
+const uint8_t* LoopbackTransport::slot(int from, uint64_t n) const {
+  return fabric_->window(rank_).slots.data() + (size_t(from) * kSlotsPerPeer + n % kSlotsPerPeer) * kSlotBytes;
 }
 
 std::string LoopbackTransport::lost_peer() const {

@@ -27,7 +27,7 @@ class LoopbackFabric {
 
   // Rank r's control window: the counters peers add to and the slots they write.
   struct Window {
-    explicit Window(int size) : posted(size), done(size), slots(size_t(size) * OneSidedTransport::kSlotBytes) {}
+    explicit Window(int size) : posted(size), done(size), slots(size_t(size) * OneSidedTransport::kSlotsPerPeer * OneSidedTransport::kSlotBytes) {}
     std::vector<std::atomic<uint64_t>> posted, done;
     std::vector<uint8_t> slots;
   };
@@ -57,7 +57,7 @@ class LoopbackTransport : public OneSidedTransport {
   void complete(const std::string&) override {}
   uint64_t posted(int from) const override;
   uint64_t done(int from) const override;
-  const uint8_t* slot(int from) const override;
+  const uint8_t* slot(int from, uint64_t n) const override;
   [[noreturn]] void raise(const std::string& what, const std::string& why) const override;
 
  protected:

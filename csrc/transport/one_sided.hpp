@@ -4,7 +4,9 @@
 //
 // Contract:
 //   - Each rank owns a control window that peers write: posted[q] and done[q] (64-bit counters
-//     peer q adds to) and slot[q] (kSlotBytes peer q writes with post()).
+//     peer q adds to) and kSlotsPerPeer slots of kSlotBytes that peer q's post()s fill in turn
+//     (post n goes to slot n % kSlotsPerPeer: a peer may post its next descriptor before this
+//     rank has read the last, never two ahead).
 //   - register_memory() makes local memory writable by peers; its packed key travels inside a
 //     descriptor and unpack_key() turns it into the key put() needs.
 //   - put() and post() are non-blocking; complete() waits for every one issued so far (a put's
@@ -48,6 +50,7 @@ class RemoteKey {
 class OneSidedTransport {
  public:
   static constexpr size_t kSlotBytes = 18 << 10;
+  static constexpr int kSlotsPerPeer = 2;
 
   virtual ~OneSidedTransport() = default;
   virtual std::string name() const = 0;  // "ucx", "loopback": for messages
@@ -64,7 +67,8 @@ class OneSidedTransport {
 
   virtual uint64_t posted(int from) const = 0;
   virtual uint64_t done(int from) const = 0;
-  virtual const uint8_t* slot(int from) const = 0;
+  // The bytes of from's post number n (counted from 0), until post n + kSlotsPerPeer arrives.
+  virtual const uint8_t* slot(int from, uint64_t n) const = 0;
 
   virtual int event_fd() const { return -1; }
   virtual bool drain_and_arm() { return true; }  // false: events were queued (call again)

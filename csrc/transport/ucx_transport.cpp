@@ -16,6 +16,9 @@ std::string status_text(ucs_status_t s) { return ucs_status_string(s); }
 
 size_t slots_offset(int size) { return (size_t(16) * size + 63) / 64 * 64; }
 
+// The active message that carries a post(): the sender's rank as header, the bytes as data.
+constexpr unsigned kPostMessage = 1;
+
 }  // namespace
 
 struct UcxTransport::Peer {
@@ -80,7 +83,8 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   if (s != UCS_OK) raise(what, "cannot read UCX's configuration: " + status_text(s));
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_WAKEUP | (opts_.tagged ? UCP_FEATURE_TAG : 0);
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AMO64 | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP |
+                    (opts_.tagged ? UCP_FEATURE_TAG : 0);
   s = ucp_init(&params, config, &ctx_);
   ucp_config_release(config);
   if (s != UCS_OK) raise(what, "cannot create a UCX context: " + status_text(s));
@@ -92,9 +96,24 @@ UcxTransport::UcxTransport(c10::intrusive_ptr<c10d::Store> store, UcxOptions opt
   s = ucp_worker_get_efd(worker_, &efd_);
   if (s != UCS_OK) raise(what, "the UCX worker has no event descriptor: " + status_text(s));
 
-  window_bytes_ = slots_offset(n) + size_t(n) * kSlotBytes;
+  window_bytes_ = slots_offset(n) + size_t(n) * kSlotsPerPeer * kSlotBytes;
   if (posix_memalign(&window_, 4096, window_bytes_) != 0) raise(what, "out of memory for the control window");
   std::memset(window_, 0, window_bytes_);
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.id = kPostMessage;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  hp.cb = [](void* arg, const void* header, size_t header_bytes, void* data, size_t bytes,
+            const ucp_am_recv_param_t* param) {
+    uint32_t from = ~0u;
+    if (header_bytes == sizeof from) std::memcpy(&from, header, sizeof from);
+    static_cast<UcxTransport*>(arg)->place_post(from, data, bytes, (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0);
+    return UCS_OK;  // the data was copied
+  };
+  hp.arg = this;
+  s = ucp_worker_set_am_recv_handler(worker_, &hp);
+  if (s != UCS_OK) raise(what, "cannot set the UCX message handler: " + status_text(s));
   window_region_ = std::make_unique<UcxRegion>(ctx_, window_, window_bytes_);
   outbox_.resize(n);
 
@@ -337,12 +356,28 @@ void UcxTransport::post(int peer, std::vector<uint8_t> bytes) {
   if (bytes.size() > kSlotBytes)
     raise("cam UCX post", str("a descriptor of ", bytes.size(), " bytes exceeds the slot of ", kSlotBytes));
   auto& box = outbox_[peer];
-  box = std::move(bytes);  // the put's source, alive until complete()
-  const Peer& p = *peers_[peer];
-  put(peer, box.data(), box.size(), p.window + slots_offset(opts_.size) + size_t(opts_.rank) * kSlotBytes,
-      p.rkey->get());
-  fence();
-  add(peer, p.window + 8 * size_t(opts_.rank), p.rkey->get(), 1);
+  box = std::move(bytes);  // the message's source, alive until complete()
+  // One eager message, where a put, a fence and an atomic add took a round trip before the add
+  // could leave (the fence waits for the put to land; 40 us of a 185 us exchange between two
+  // simulated hosts).
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  track(ucp_am_send_nbx(peers_[peer]->ep, kPostMessage, &am_header_, sizeof am_header_, box.data(), box.size(), &rp),
+        peer, "post");
+}
+
+void UcxTransport::place_post(uint32_t from, const void* data, size_t bytes, bool whole) {
+  if (from >= uint32_t(opts_.size) || int(from) == opts_.rank || bytes > kSlotBytes || !whole) {
+    // Not a post of this build (no sender cam would send it): the waits report it.
+    if (bad_post_.empty())
+      bad_post_ = str("a descriptor message of ", bytes, " bytes", whole ? "" : " (rendezvous)", " with sender header ",
+                      int(from), " arrived that fits no slot");
+    return;
+  }
+  auto* posted = static_cast<uint64_t*>(window_) + from;  // this thread alone adds to it
+  std::memcpy(const_cast<uint8_t*>(slot(int(from), *posted)), data, bytes);
+  __atomic_fetch_add(posted, 1, __ATOMIC_RELEASE);
 }
 
 void UcxTransport::signal_done(int peer) {
@@ -359,8 +394,9 @@ uint64_t UcxTransport::done(int from) const {
   return __atomic_load_n(static_cast<uint64_t*>(window_) + opts_.size + from, __ATOMIC_ACQUIRE);
 }
 
-const uint8_t* UcxTransport::slot(int from) const {
-  return static_cast<const uint8_t*>(window_) + slots_offset(opts_.size) + size_t(from) * kSlotBytes;
+const uint8_t* UcxTransport::slot(int from, uint64_t n) const {
+  return static_cast<const uint8_t*>(window_) + slots_offset(opts_.size) +
+         (size_t(from) * kSlotsPerPeer + n % kSlotsPerPeer) * kSlotBytes;
 }
 
 // ---- waiting ----
@@ -383,6 +419,7 @@ std::string UcxTransport::peer_failure(int peer) const {
 }
 
 std::string UcxTransport::lost_peer() const {
+  if (!bad_post_.empty()) return bad_post_;
   if (!opts_.lost_peer_fails_waits) return {};  // a failed endpoint fails its own requests
   for (int q = 0; q < opts_.size; ++q) {
     const std::string why = peer_failure(q);

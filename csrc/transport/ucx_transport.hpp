@@ -125,11 +125,12 @@ class UcxTransport : public OneSidedTransport {
   void complete(const std::string& what) override;
   uint64_t posted(int from) const override;
   uint64_t done(int from) const override;
-  const uint8_t* slot(int from) const override;
+  const uint8_t* slot(int from, uint64_t n) const override;
   [[noreturn]] void raise(const std::string& what, const std::string& why) const override;
 
-  // UCX's own operations on a peer's registered memory, non-blocking (complete() waits):
-  // post() is put + fence + add on the control window.
+  // UCX's own operations on a peer's registered memory, non-blocking (complete() waits).
+  // post() is one eager active message, which the peer's progress copies into its slot before
+  // counting it in posted.
   void put(int peer, const void* src, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
   void get(int peer, void* dst, size_t bytes, uint64_t remote_addr, ucp_rkey_h rkey);
   void add(int peer, uint64_t remote_addr, ucp_rkey_h rkey, uint64_t value);
@@ -173,6 +174,8 @@ class UcxTransport : public OneSidedTransport {
  private:
   struct Peer;
   struct Request;
+  // A post's message arriving (on the thread that progresses): into from's slot, then counted.
+  void place_post(uint32_t from, const void* data, size_t bytes, bool whole);
   void track(void* status_ptr, int peer, const char* kind);
   std::string peer_name(int peer) const;
 
@@ -181,7 +184,8 @@ class UcxTransport : public OneSidedTransport {
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   std::vector<std::unique_ptr<Peer>> peers_;
-  // The control window: posted[size], done[size], slots[size][kSlotBytes].
+  // The control window: posted[size] and slots[size][kSlotsPerPeer][kSlotBytes] (written by
+  // place_post), done[size] (peers' atomic adds).
   void* window_ = nullptr;
   size_t window_bytes_ = 0;
   std::unique_ptr<UcxRegion> window_region_;
@@ -189,6 +193,8 @@ class UcxTransport : public OneSidedTransport {
   std::vector<std::vector<uint8_t>> outbox_;  // per peer: the bytes of its post() being put
   std::deque<uint64_t> operands_;            // the operands of the adds not yet complete
   bool unfenced_puts_ = false;               // a put issued since the last fence()
+  uint32_t am_header_ = uint32_t(opts_.rank);  // a post's header: the sender (alive while its messages are)
+  std::string bad_post_;                     // a message on_post could not place: lost_peer() reports it
 };
 
 // The records ranks exchange through the store (addresses, lengths, then packed keys).
