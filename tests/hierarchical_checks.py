@@ -5,6 +5,8 @@ through a gloo group). Used by tests/test_hierarchical.py (hosts simulated with
 TORCH_CAM_HOST_ID) and tests/multihost/ (hosts simulated with namespaces by multihost.sh)."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -137,12 +139,47 @@ def check_all(rank: int, world: int) -> list[str]:
                 got = torch.empty(n); dist.recv(got, peer, tag=rank)
                 dist.send(mine * 2, peer, tag=peer)
             expect(f"send/recv {rank}<->{peer} n={n}", got, everyone[peer] * 2)
+    bad += _check_queued_and_unwaited(rank, world, expect)
     dist.barrier()
     import torch_cam
     torch_cam.monitored_barrier(wait_all_ranks=True)
     dist.monitored_barrier()
     dist.destroy_process_group(two_hops)
     dist.destroy_process_group(gloo)
+    return bad
+
+
+def _check_queued_and_unwaited(rank, world, expect) -> list[str]:
+    """Async ops queued, then a blocking op behind them (its waiter runs the queue up to it, in
+    issue order); then ops waited only through their Future, which the group's worker alone
+    runs: right after blocking ops (found by its polls) and after an idle spell (it is parked
+    and rung)."""
+    bad = []
+    ts = [ints(5, rank, 900 + i) for i in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    b = ints(5, rank, 903)
+    dist.broadcast(b, src=world - 1)
+    for w in reversed(works):
+        w.wait()
+    for i, t in enumerate(ts):
+        expect(f"queued async all_reduce {i}", t, sum(ints(5, r, 900 + i) for r in range(world)))
+    expect("broadcast behind queued async ops", b, ints(5, world - 1, 903))
+    for idle_s in (0.0, 0.3):
+        x = torch.ones(4)
+        for _ in range(50):
+            dist.all_reduce(x)
+        time.sleep(idle_s)
+        x.fill_(rank + 1)
+        t0 = time.monotonic()
+        fut = dist.all_reduce(x, async_op=True).get_future()
+        while not fut.done() and time.monotonic() - t0 < 10:
+            time.sleep(0.0005)  # polling done() drives nothing
+        took = time.monotonic() - t0
+        if not fut.done() or took > 2.0:
+            bad.append(f"an all_reduce waited only through its Future (after {idle_s} s idle) took {took:.2f} s")
+        else:
+            expect(f"all_reduce waited through its Future after {idle_s} s idle", x,
+                   torch.full((4,), float(world * (world + 1) // 2)))
     return bad
 
 

@@ -45,12 +45,20 @@ void block_on(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::chrono::m
   }
 }
 
-// The Work of a composed op: its Future completes when the worker has run the last step.
+}  // namespace
+
+// The Work of a composed op: its Future completes when the last step has run. wait() runs the
+// queue up to this op on the caller's thread unless another thread already drives it; the op
+// then ends before wait() returns, whatever its timeout (every step has the group's deadline).
+
 class HierarchicalWork : public c10d::Work {
  public:
-  HierarchicalWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+  HierarchicalWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+                   c10::weak_intrusive_ptr<HierarchicalBackend> group, uint64_t seq)
       : Work(rank, type),
         outputs_(std::move(outputs)),
+        group_(std::move(group)),
+        seq_(seq),
         future_(c10::make_intrusive<at::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
   void finish_with(std::exception_ptr error) {
@@ -67,6 +75,10 @@ class HierarchicalWork : public c10d::Work {
   }
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout) override {
+    if (!future_->completed())
+      if (auto group = group_.lock())
+        group->drive_until(seq_, timeout == kNoTimeout ? std::chrono::steady_clock::time_point::max()
+                                                       : std::chrono::steady_clock::now() + timeout);
     if (timeout == kNoTimeout) {
       future_->wait();
     } else {
@@ -81,10 +93,10 @@ class HierarchicalWork : public c10d::Work {
 
  private:
   std::vector<at::Tensor> outputs_;
+  c10::weak_intrusive_ptr<HierarchicalBackend> group_;
+  uint64_t seq_;
   c10::intrusive_ptr<at::ivalue::Future> future_;
 };
-
-}  // namespace
 
 HostMap HostMap::from_keys(const std::vector<std::string>& keys, const std::vector<std::string>& hostnames) {
   HostMap m;
@@ -184,7 +196,8 @@ void HierarchicalBackend::shutdown() {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
+    idle_cv_.notify_all();
+    drive_cv_.notify_all();
     ring(wake_fd_);
     if (worker_.joinable()) {
       if (worker_.get_id() == std::this_thread::get_id()) {
@@ -204,67 +217,126 @@ uint64_t HierarchicalBackend::getSequenceNumberForGroup() {
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, std::string name,
                                                             std::vector<at::Tensor> outputs, Body body) {
-  auto work = c10::make_intrusive<HierarchicalWork>(rank_, type, outputs);
-  bool wake;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    TORCH_CHECK(!stop_, "cam ", name, " on rank ", rank_, " of group ", group_desc_, ": the group was shut down");
-    const uint64_t seq = ++seq_;
-    queue_.push_back(Task{str("cam ", name, " (seq ", seq, ") on rank ", rank_, " of group ", group_desc_),
-                          std::move(body), [work](std::exception_ptr e) { work->finish_with(e); }});
-    // A busy worker finds the task when its current one ends: only an idle one needs the
-    // eventfd (a syscall per op otherwise).
-    wake = worker_idle_;
+  std::unique_lock<std::mutex> lk(mu_);
+  TORCH_CHECK(!stop_, "cam ", name, " on rank ", rank_, " of group ", group_desc_, ": the group was shut down");
+  const uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<HierarchicalWork>(
+      rank_, type, std::move(outputs),
+      c10::weak_intrusive_ptr<HierarchicalBackend>(
+          c10::intrusive_ptr<HierarchicalBackend>::unsafe_reclaim_from_nonowning(this)),
+      seq);
+  queue_.push_back(Task{seq, str("cam ", name, " (seq ", seq, ") on rank ", rank_, " of group ", group_desc_),
+                        std::move(body), [work](std::exception_ptr e) { work->finish_with(e); }});
+  last_enqueue_ = std::chrono::steady_clock::now();
+  // Only a parked worker is woken: otherwise its next poll finds the op if nobody waits on it
+  // (a wake per op would take a core from the ranks that run it).
+  const bool wake = worker_parked_;
+  lk.unlock();
+  if (wake) {
+    idle_cv_.notify_one();
+    ring(wake_fd_);
   }
-  cv_.notify_one();
-  if (wake) ring(wake_fd_);
   return work;
 }
 
-void HierarchicalBackend::worker_main() {
+void HierarchicalBackend::run_task(Task& task) {
+  std::exception_ptr error;
+  if (!fatal_.empty()) {
+    error = std::make_exception_ptr(FatalError(task.name + ": the group is unusable after an earlier error: " + fatal_));
+  } else {
+    try {
+      task.body();
+    } catch (...) {
+      const std::string why = task.name + ": " + error_text(std::current_exception());
+      fail_group(why);
+      error = std::make_exception_ptr(FatalError(why));
+    }
+  }
+  task.finish(error);
+}
+
+void HierarchicalBackend::drive_until(uint64_t seq, std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(mu_);
   while (true) {
-    Task task;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      const auto ready = [this] { return stop_ || !queue_.empty(); };
-      if (served_.empty()) cv_.wait(lk, ready);
-      if (!ready()) {
-        worker_idle_ = true;
-        lk.unlock();
-        serve_between_ops();
-        continue;
-      }
-      if (queue_.empty()) return;
-      worker_idle_ = false;
-      task = std::move(queue_.front());
+    if (queue_.empty() || queue_.front().seq > seq) return;  // taken: the Future says when it is done
+    if (!driving_) break;
+    if (drive_cv_.wait_until(lk, deadline) == std::cv_status::timeout) return;
+  }
+  std::vector<Task> tasks;
+  while (!queue_.empty() && queue_.front().seq <= seq) {
+    tasks.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  driving_ = true;
+  lk.unlock();
+  for (auto& task : tasks) run_task(task);
+  lk.lock();
+  driving_ = false;
+  lk.unlock();
+  drive_cv_.notify_all();  // the worker serves the engines again
+}
+
+void HierarchicalBackend::worker_main() {
+  // Polls for ops nobody waits on at progress_interval_us after it last found one, doubling per
+  // poll that finds none up to Engine::kMaxPollStretch times that (the local engine's policy,
+  // for the same reason), and parks (rung by the next enqueue) once no op came for
+  // Engine::kParkAfter.
+  const auto base = std::chrono::microseconds(local_->engine()->config().progress_interval_us);
+  auto interval = base;
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    if (driving_) {
+      // A caller runs the queue (drive_until). Afterwards the engines need serving again: a
+      // put's tail moves only while this rank progresses.
+      drive_cv_.wait(lk, [this] { return !driving_; });
+      continue;
+    }
+    if (!queue_.empty()) {
+      Task task = std::move(queue_.front());
       queue_.pop_front();
+      driving_ = true;
+      lk.unlock();
+      run_task(task);
+      lk.lock();
+      driving_ = false;
+      drive_cv_.notify_all();
+      interval = base;
+      continue;
     }
-    std::exception_ptr error;
-    if (!fatal_.empty()) {
-      error = std::make_exception_ptr(FatalError(task.name + ": the group is unusable after an earlier error: " + fatal_));
+    if (stop_) return;
+    const bool park = std::chrono::steady_clock::now() - last_enqueue_ > Engine::kParkAfter;
+    worker_parked_ = park;
+    if (!served_.empty()) {
+      serve_between_ops(lk, park ? std::chrono::milliseconds(kMissedWakePollMs)
+                                 : std::chrono::duration_cast<std::chrono::milliseconds>(interval));
+    } else if (park) {
+      idle_cv_.wait(lk);
     } else {
-      try {
-        task.body();
-      } catch (...) {
-        const std::string why = task.name + ": " + error_text(std::current_exception());
-        fail_group(why);
-        error = std::make_exception_ptr(FatalError(why));
-      }
+      idle_cv_.wait_for(lk, interval);
     }
-    task.finish(error);
+    worker_parked_ = false;
+    if (!park) interval = std::min(interval * 2, base * Engine::kMaxPollStretch);
   }
 }
 
-void HierarchicalBackend::serve_between_ops() {
+void HierarchicalBackend::serve_between_ops(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds bound) {
+  driving_ = true;
+  lk.unlock();
   bool armed = true;
   for (auto* b : served_) armed = b->drain_and_arm() && armed;
-  if (!armed) return;  // events were queued: progress them first
-  // Woken by traffic or by a queued task; the bound only limits the cost of a missed wakeup.
-  ::poll(idle_fds_.data(), idle_fds_.size(), wake_fd_ >= 0 ? kMissedWakePollMs : kUnrungPollMs);
-  if (wake_fd_ >= 0 && (idle_fds_.front().revents & POLLIN)) {
-    uint64_t count;
-    [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
+  lk.lock();
+  driving_ = false;
+  lk.unlock();
+  drive_cv_.notify_all();
+  if (armed) {  // else events were queued: progress them first
+    // Woken by traffic, by a ring or at the bound.
+    ::poll(idle_fds_.data(), idle_fds_.size(), wake_fd_ >= 0 ? std::max<int>(1, int(bound.count())) : kUnrungPollMs);
+    if (wake_fd_ >= 0 && (idle_fds_.front().revents & POLLIN)) {
+      uint64_t count;
+      [[maybe_unused]] const ssize_t n = ::read(wake_fd_, &count, sizeof count);
+    }
   }
+  lk.lock();
 }
 
 void HierarchicalBackend::fail_group(const std::string& why) {

@@ -10,10 +10,12 @@
 //   rail    the ranks of one local index on every host, when every host has as many ranks
 //   leaders local index 0 of every host (rail 0 when hosts are uniform, its own group otherwise)
 // Collectives are compositions of inner and inter-host steps (hierarchical_collectives.cpp
-// states each), run in issue order on one worker thread; the Work completes after the last
-// step. Between ops that thread serves the one-sided engines (their sends still in flight, peers'
-// operations on this rank's memory). Point-to-point goes straight to the inner backend (same
-// host) or to `p2p`.
+// states each), run in issue order, one at a time; the Work completes after the last step. A
+// caller that waits on its op runs the queue up to it on its own thread (drive_until); a worker
+// thread runs the ops nobody waits on (found by its polls, as the local engine's progress
+// thread finds them) and, between ops, serves the one-sided engines (their sends still in
+// flight, peers' operations on this rank's memory). Point-to-point goes straight to the inner
+// backend (same host) or to `p2p`.
 //
 // Results are bit-identical on every rank: each output element is computed on one rank and
 // copied to the others. Reduction order: cam's order over a host's ranks, then the inter-host
@@ -138,6 +140,12 @@ class HierarchicalBackend : public c10d::Backend {
   void host_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits, std::vector<int64_t> in_splits);
   void rail_alltoall(at::Tensor out, at::Tensor in, std::vector<int64_t> out_splits, std::vector<int64_t> in_splits);
 
+  // Called by a Work's wait(): when no thread drives the queue and op `seq` has not started, the
+  // caller runs the queue up to it itself instead of handing it to the worker and waiting to be
+  // woken (two thread hand-offs per op; with more ranks than cores each costs a turn on a core).
+  // Returns without running anything when the op is already taken, or at `deadline`.
+  void drive_until(uint64_t seq, std::chrono::steady_clock::time_point deadline);
+
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
@@ -149,9 +157,10 @@ class HierarchicalBackend : public c10d::Backend {
                                          Body body);
   void worker_main();
   // The idle worker's wait when one-sided engines need serving between ops: serves each, then
-  // sleeps until one has traffic or a task is queued (wake_fd_).
-  void serve_between_ops();
-  static constexpr int kMissedWakePollMs = 100;  // the idle worker's poll bound with an eventfd
+  // sleeps until one has traffic, a ring (wake_fd_) or `bound`. Called and returns with `lk`
+  // (on mu_) held.
+  void serve_between_ops(std::unique_lock<std::mutex>& lk, std::chrono::milliseconds bound);
+  static constexpr int kMissedWakePollMs = 100;  // the parked worker's poll bound with an eventfd
   static constexpr int kUnrungPollMs = 1;        // and without one (nothing rings it)
   void fail_group(const std::string& why);
   // Waits for a step: inner steps raise through cam's own waits; inter-host steps block on their
@@ -216,22 +225,29 @@ class HierarchicalBackend : public c10d::Backend {
   std::shared_ptr<RecyclingPool> scratch_;
 
   struct Task {
+    uint64_t seq;
     std::string name;
     Body body;
     std::function<void(std::exception_ptr)> finish;
   };
+  void run_task(Task& task);  // on the driving thread
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable idle_cv_;   // the idle worker without engines to serve: enqueue rings it parked
+  std::condition_variable drive_cv_;  // driving_ went false
   std::deque<Task> queue_;
   bool stop_ = false;
   uint64_t seq_ = 0;
-  uint64_t monitored_seq_ = 0;  // worker thread only
-  std::string fatal_;  // worker thread only
+  uint64_t monitored_seq_ = 0;  // the driving thread only
+  // (under mu_) a thread runs tasks or serves the one-sided engines: the worker, or a caller in
+  // drive_until. The engines are single-threaded, and tasks run in issue order.
+  bool driving_ = false;
+  std::string fatal_;  // the driving thread only
   std::thread worker_;
   std::once_flag shutdown_once_;
   std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
-  int wake_fd_ = -1;                      // an eventfd written by shutdown() and by enqueue() while the worker is idle
-  bool worker_idle_ = false;              // (under mu_) the worker found no task and serves: enqueue rings
+  int wake_fd_ = -1;                      // an eventfd written by shutdown() and by enqueue() while the worker is parked
+  bool worker_parked_ = false;            // (under mu_) the idle worker sleeps until rung (no op for Engine::kParkAfter)
+  std::chrono::steady_clock::time_point last_enqueue_;  // (under mu_)
   std::vector<pollfd> idle_fds_;          // wake_fd_ (where there is one), then each served engine's event fd
 };
 

@@ -330,7 +330,6 @@ void Engine::progress_thread_main() {
   // sleeping.
   const auto base = std::chrono::microseconds(cfg_.progress_interval_us);
   auto interval = base;
-  const auto park_after = std::chrono::milliseconds(100);
   auto last_active = Clock::now();
   std::unique_lock<std::mutex> lk(thread_mu_);
   while (!stop_) {
@@ -339,7 +338,7 @@ void Engine::progress_thread_main() {
     if (!work) {
       backoff.reset();
       if (active_.load() > 0) last_active = Clock::now();
-      if (Clock::now() - last_active > park_after) {
+      if (Clock::now() - last_active > kParkAfter) {
         thread_parked_.store(true);
         thread_cv_.wait(lk, [&] { return stop_ || active_.load() > 0; });
         thread_parked_.store(false);
