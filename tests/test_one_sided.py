@@ -121,6 +121,27 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
             for r in range(world):
                 self.assertEqual(results[r], want, f"world {world} rank {r}")
 
+    def test_a_size_mismatch_fails_every_rank_in_that_op(self):
+        # Small blocks skip done only where every rank sees every mismatch: between two ranks
+        # alone, and in uniform exchanges (every rank's partner, one block size), where any rank
+        # of another size differs from every other. Elsewhere (all_to_all with splits) done
+        # keeps the ranks whose own blocks matched waiting, to fail with the others.
+        def uniform(r, b, _):
+            b.allreduce([torch.ones(4 if r == 2 else 3)], reduce_opts(dist.ReduceOp.SUM)).wait()
+
+        def split(r, b, _):
+            out_splits = [2 if r == 1 and s == 0 else 1 for s in range(3)]
+            b.alltoall_base(torch.empty(sum(out_splits)), torch.ones(3), out_splits, [1] * 3,
+                            dist.AllToAllOptions()).wait()
+
+        for fn, culprit in ((uniform, "rank 2 sends 16 bytes, this rank expects 12"),
+                            (split, "rank 0 sends 4 bytes, this rank expects 8")):
+            _, errors, took = run_threads(3, fn)
+            for r in range(3):
+                self.assertIsNotNone(errors[r], f"{fn.__name__}: rank {r} returned")
+                self.assertLess(took[r], TIMEOUT_S + 2, f"{fn.__name__}: rank {r} took {took[r]:.1f} s")
+            self.assertTrue(any(culprit in e for e in errors), errors)
+
     def test_all_gather_and_reduce_scatter(self):
         # 3 elements per rank: eager blocks; 20011: read with get. reduce_scatter's block r is
         # reduced in rank order, as all_reduce's shards are: bit-identical to the reference.

@@ -24,7 +24,7 @@ struct Descriptor {
   uint32_t inline_data; // 1: the sent block's bytes follow
   uint32_t key_bytes;   // the packed key's length (after the inline bytes)
   uint32_t partners;    // how many partners this rank has in the exchange
-  uint32_t unused = 0;
+  uint32_t uniform;     // 1: every rank is this rank's partner, with blocks of one size both ways
 };
 constexpr uint64_t kAbsent = ~uint64_t(0);
 static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes + 1024 <= OneSidedTransport::kSlotBytes,
@@ -75,9 +75,13 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
   std::vector<std::unique_ptr<MemoryRegion>> regions(size_);
   std::vector<uint8_t> desc;
   int partners = 0;
+  bool uniform = true;
   for (int p = 0; p < size_; ++p) {
     partner[p] = p != me && (sends[p].present || recvs[p].present);
     partners += partner[p];
+    if (p != me)
+      uniform = uniform && sends[p].present && recvs[p].present && sends[p].bytes == recvs[p].bytes &&
+                sends[p].bytes == sends[me == 0 ? 1 : 0].bytes;
   }
   for (int p = 0; p < size_; ++p) {
     if (!partner[p]) continue;
@@ -93,7 +97,8 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
                        put_here ? uint64_t(recvs[p].ptr) : 0,
                        inline_data,
                        uint32_t(key),
-                       uint32_t(partners)};
+                       uint32_t(partners),
+                       uniform};
     std::memcpy(desc.data(), &d, sizeof d);
     if (data) std::memcpy(desc.data() + sizeof d, sends[p].ptr, data);
     if (key) std::memcpy(desc.data() + sizeof d + data, regions[p]->packed_key().data(), key);
@@ -102,11 +107,14 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
   // As each partner's descriptor arrives: check it against this rank's view (both sides check,
   // so both name a mismatch), take an inline block and put this rank's block into the partner's
   // memory. Once every descriptor has passed, done goes to each partner (ordered after the
-  // puts): a mismatch anywhere leaves every partner of this rank waiting, to fail with it. Two
-  // ranks that are each other's only partner skip it where no block is put: each sees every
-  // mismatch between them in the other's descriptor, so an exchange of small blocks between two
-  // ranks (every step between two hosts) is one message each way.
-  std::vector<bool> done_to(size_, false);
+  // puts): a mismatch anywhere leaves every partner of this rank waiting, to fail with it.
+  // Done is skipped where no block is put and every mismatch is seen by every rank anyway: two
+  // ranks that are each other's only partner (every step between two hosts), or an exchange in
+  // which every rank is uniform (everyone's partner, one block size): a rank whose checks all
+  // passed has then seen that every rank's blocks have its size and its seq, so no pair can
+  // disagree. Either way an exchange of small blocks is one message each way.
+  std::vector<uint32_t> peer_partners(size_, 0);
+  bool all_uniform = uniform;
   std::vector<std::unique_ptr<RemoteKey>> keys;
   std::vector<bool> waiting = partner;
   int left = partners;
@@ -139,9 +147,8 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
             t_->raise(what, str("rank ", p, " expects ", bytes_text(d.recv_bytes), ", this rank sends ",
                                bytes_text(mine)));
           if (inline_bytes) std::memcpy(recvs[p].ptr, tail, inline_bytes);
-          const bool pairwise = partners == 1 && d.partners == 1;
-          done_to[p] = !pairwise || (sends[p].present && !eager(sends[p]));
-          if (!pairwise || (recvs[p].present && !eager(recvs[p]))) ++dones_due_[p];
+          peer_partners[p] = d.partners;
+          all_uniform = all_uniform && d.uniform;
           if (sends[p].present && !eager(sends[p])) {
             if (d.key_bytes == 0)
               t_->raise(what, str("rank ", p, " expects ", d.recv_bytes, " bytes but sent no key to put them with"));
@@ -152,8 +159,12 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
         return left == 0;
       },
       what, [&] { return "the descriptors of ranks " + ranks_where(waiting); });
-  for (int p = 0; p < size_; ++p)
-    if (done_to[p]) t_->signal_done(p);
+  for (int p = 0; p < size_; ++p) {
+    if (!partner[p]) continue;
+    const bool checked_by_both = all_uniform || (partners == 1 && peer_partners[p] == 1);
+    if (!checked_by_both || (sends[p].present && !eager(sends[p]))) t_->signal_done(p);
+    if (!checked_by_both || (recvs[p].present && !eager(recvs[p]))) ++dones_due_[p];
+  }
   // Every partner's done: its block has landed here, and it has checked this rank's descriptor.
   t_->wait_until(
       [&] {

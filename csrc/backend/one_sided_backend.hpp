@@ -10,9 +10,9 @@
 // partner's against its own view (so both sides name a mismatch), puts a larger block straight
 // into the partner's output (one copy, no staging); once every partner's descriptor has passed it
 // adds one to each partner's done counter, ordered after its puts; an exchange ends when every
-// partner is done (so a mismatch anywhere fails every rank of the exchange). Two ranks that are
-// each other's only partner skip done where no block is put (each sees every mismatch between
-// them): between two ranks, an exchange of small blocks is one message each way.
+// partner is done (so a mismatch anywhere fails every rank of the exchange). Where no block is
+// put and every rank sees every mismatch anyway (two ranks alone; a uniform exchange: everyone's
+// partner, one block size) done is skipped: an exchange of small blocks is one message each way.
 // Puts, not gets: over a stream transport (UCX over TCP) a get's request travels behind whatever
 // data the same connection already carries the other way, so two ranks reading each other took
 // turns (16 MiB each way between two hosts at 1 Gbit/s: 278 ms instead of 140). A put's data
