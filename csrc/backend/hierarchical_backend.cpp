@@ -50,7 +50,6 @@ void block_on(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::chrono::m
 // The Work of a composed op: its Future completes when the last step has run. wait() runs the
 // queue up to this op on the caller's thread unless another thread already drives it; the op
 // then ends before wait() returns, whatever its timeout (every step has the group's deadline).
-
 class HierarchicalWork : public c10d::Work {
  public:
   HierarchicalWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,

@@ -27,7 +27,8 @@ class LoopbackFabric {
 
   // Rank r's control window: the counters peers add to and the slots they write.
   struct Window {
-    explicit Window(int size) : posted(size), done(size), slots(size_t(size) * OneSidedTransport::kSlotsPerPeer * OneSidedTransport::kSlotBytes) {}
+    explicit Window(int size)
+        : posted(size), done(size), slots(size_t(size) * OneSidedTransport::kSlotsPerPeer * OneSidedTransport::kSlotBytes) {}
     std::vector<std::atomic<uint64_t>> posted, done;
     std::vector<uint8_t> slots;
   };
