@@ -67,8 +67,11 @@ def worker(backend: str, case: str, ops: int, marks: str) -> None:
     def mark(name: str) -> None:
         open(os.path.join(marks, name), "w").close()
 
-    def await_mark(name: str) -> None:
+    def await_mark(name: str) -> None:  # the parent's timeout bounds a case; this bounds an orphan
+        deadline = time.monotonic() + 3600
         while not os.path.exists(os.path.join(marks, name)):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"bench_call_path worker: no '{name}' from the parent in an hour")
             time.sleep(0.05)
 
     loop(2000)

@@ -57,7 +57,7 @@ void CamBackend::log_init(int ncpus) const {
                                                           : std::string(),
                ", yield until ", c.yield_us, " us, sleeps up to ", c.sleep_max_us, " us; liveness every ",
                c.liveness_interval_ms, " ms; progress thread polls every ", c.progress_interval_us,
-               " us (up to ", Engine::kMaxPollStretch, "x while every op is waited); usable CPUs ", ncpus, "; timeout ", c.timeout.count(), " ms"));
+               " us (up to ", PollSchedule::kMaxStretch, "x while every op is waited); usable CPUs ", ncpus, "; timeout ", c.timeout.count(), " ms"));
   log_line(LogLevel::kInfo, engine_->who(),
            str("flight recorder: ", c.flight_recorder_entries, " entries",
                c.flight_recorder_path.empty() ? std::string(", no automatic dump")

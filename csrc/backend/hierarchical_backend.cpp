@@ -74,15 +74,17 @@ class HierarchicalWork : public c10d::Work {
   }
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout) override {
+    const bool bounded = timeout != kNoTimeout;
+    const auto deadline = std::chrono::steady_clock::now() + (bounded ? timeout : std::chrono::milliseconds(0));
     if (!future_->completed())
-      if (auto group = group_.lock())
-        group->drive_until(seq_, timeout == kNoTimeout ? std::chrono::steady_clock::time_point::max()
-                                                       : std::chrono::steady_clock::now() + timeout);
-    if (timeout == kNoTimeout) {
+      if (auto group = group_.lock()) group->drive_until(seq_, bounded ? &deadline : nullptr);
+    if (!bounded) {
       future_->wait();
-    } else {
+    } else if (!future_->completed()) {
       // Every step has the group's deadline; this only bounds the caller's own wait.
-      block_on(future_, timeout, [&] { TORCH_CHECK(false, "cam: Work.wait timed out after ", timeout.count(), " ms"); });
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      block_on(future_, std::max(left, std::chrono::milliseconds(1)),
+               [&] { TORCH_CHECK(false, "cam: Work.wait timed out after ", timeout.count(), " ms"); });
     }
     if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
     return true;
@@ -254,12 +256,16 @@ void HierarchicalBackend::run_task(Task& task) {
   task.finish(error);
 }
 
-void HierarchicalBackend::drive_until(uint64_t seq, std::chrono::steady_clock::time_point deadline) {
+void HierarchicalBackend::drive_until(uint64_t seq, const std::chrono::steady_clock::time_point* deadline) {
   std::unique_lock<std::mutex> lk(mu_);
   while (true) {
     if (queue_.empty() || queue_.front().seq > seq) return;  // taken: the Future says when it is done
     if (!driving_) break;
-    if (drive_cv_.wait_until(lk, deadline) == std::cv_status::timeout) return;
+    if (!deadline) {
+      drive_cv_.wait(lk);  // whoever drives runs each step with the group's deadline
+    } else if (drive_cv_.wait_until(lk, *deadline) == std::cv_status::timeout) {
+      return;
+    }
   }
   std::vector<Task> tasks;
   while (!queue_.empty() && queue_.front().seq <= seq) {
@@ -276,12 +282,9 @@ void HierarchicalBackend::drive_until(uint64_t seq, std::chrono::steady_clock::t
 }
 
 void HierarchicalBackend::worker_main() {
-  // Polls for ops nobody waits on at progress_interval_us after it last found one, doubling per
-  // poll that finds none up to Engine::kMaxPollStretch times that (the local engine's policy,
-  // for the same reason), and parks (rung by the next enqueue) once no op came for
-  // Engine::kParkAfter.
-  const auto base = std::chrono::microseconds(local_->engine()->config().progress_interval_us);
-  auto interval = base;
+  // Polls for ops nobody waits on as the local engine's progress thread does (PollSchedule);
+  // parked, it is rung by the next enqueue.
+  PollSchedule polls{std::chrono::microseconds(local_->engine()->config().progress_interval_us)};
   std::unique_lock<std::mutex> lk(mu_);
   while (true) {
     if (driving_) {
@@ -299,22 +302,21 @@ void HierarchicalBackend::worker_main() {
       lk.lock();
       driving_ = false;
       drive_cv_.notify_all();
-      interval = base;
+      polls.found_work();
       continue;
     }
     if (stop_) return;
-    const bool park = std::chrono::steady_clock::now() - last_enqueue_ > Engine::kParkAfter;
+    const bool park = PollSchedule::park(last_enqueue_);
     worker_parked_ = park;
     if (!served_.empty()) {
       serve_between_ops(lk, park ? std::chrono::milliseconds(kMissedWakePollMs)
-                                 : std::chrono::duration_cast<std::chrono::milliseconds>(interval));
+                                 : std::chrono::duration_cast<std::chrono::milliseconds>(polls.next_wait()));
     } else if (park) {
       idle_cv_.wait(lk);
     } else {
-      idle_cv_.wait_for(lk, interval);
+      idle_cv_.wait_for(lk, polls.next_wait());
     }
     worker_parked_ = false;
-    if (!park) interval = std::min(interval * 2, base * Engine::kMaxPollStretch);
   }
 }
 

@@ -143,8 +143,9 @@ class HierarchicalBackend : public c10d::Backend {
   // Called by a Work's wait(): when no thread drives the queue and op `seq` has not started, the
   // caller runs the queue up to it itself instead of handing it to the worker and waiting to be
   // woken (two thread hand-offs per op; with more ranks than cores each costs a turn on a core).
-  // Returns without running anything when the op is already taken, or at `deadline`.
-  void drive_until(uint64_t seq, std::chrono::steady_clock::time_point deadline);
+  // Returns without running anything when the op is already taken, or at `deadline` (null:
+  // none of the caller's own; each step still has the group's).
+  void drive_until(uint64_t seq, const std::chrono::steady_clock::time_point* deadline);
 
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
@@ -246,7 +247,7 @@ class HierarchicalBackend : public c10d::Backend {
   std::once_flag shutdown_once_;
   std::vector<OneSidedBackend*> served_;  // the one-sided engines (owned by inter_)
   int wake_fd_ = -1;                      // an eventfd written by shutdown() and by enqueue() while the worker is parked
-  bool worker_parked_ = false;            // (under mu_) the idle worker sleeps until rung (no op for Engine::kParkAfter)
+  bool worker_parked_ = false;            // (under mu_) the idle worker sleeps until rung (PollSchedule::park)
   std::chrono::steady_clock::time_point last_enqueue_;  // (under mu_)
   std::vector<pollfd> idle_fds_;          // wake_fd_ (where there is one), then each served engine's event fd
 };

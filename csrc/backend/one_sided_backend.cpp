@@ -75,13 +75,14 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
   std::vector<std::unique_ptr<MemoryRegion>> regions(size_);
   std::vector<uint8_t> desc;
   int partners = 0;
-  bool uniform = true;
+  bool uniform = true;  // every other rank a partner, every block (either way) of one size
+  const size_t some_block = size_ > 1 ? sends[me == 0 ? 1 : 0].bytes : 0;
   for (int p = 0; p < size_; ++p) {
     partner[p] = p != me && (sends[p].present || recvs[p].present);
     partners += partner[p];
     if (p != me)
-      uniform = uniform && sends[p].present && recvs[p].present && sends[p].bytes == recvs[p].bytes &&
-                sends[p].bytes == sends[me == 0 ? 1 : 0].bytes;
+      uniform = uniform && sends[p].present && recvs[p].present && sends[p].bytes == some_block &&
+                recvs[p].bytes == some_block;
   }
   for (int p = 0; p < size_; ++p) {
     if (!partner[p]) continue;

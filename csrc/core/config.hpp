@@ -51,7 +51,7 @@ struct CamConfig {
   // How often a waiter checks that the peers it waits on are alive and have not failed.
   int64_t liveness_interval_ms = 50;
   // Background progress thread: poll interval while work is pending but nobody waits on it;
-  // stretched up to Engine::kMaxPollStretch times while every op is waited by its issuer.
+  // stretched up to PollSchedule::kMaxStretch (wait_policy.hpp) times while every op is waited by its issuer.
   int64_t progress_interval_us = 500;
   // What the group logs to stderr (see log.hpp).
   LogLevel log_level = LogLevel::kWarn;

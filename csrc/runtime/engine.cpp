@@ -322,14 +322,9 @@ void Engine::wake_progress_thread() {
 void Engine::progress_thread_main() {
   Backoff backoff(cfg_.spin_us, cfg_.yield_us, cfg_.sleep_max_us,
                   [this](int64_t us) { park(us, [] { return false; }); });
-  // Polls while ops are in flight, at progress_interval_us after it last found an op that
-  // nobody waited on, doubling per poll that finds none up to kMaxPollStretch times that:
-  // where every op is waited by its issuer (the blocking style), each poll only costs a timer
-  // wake, and with 8 ranks on 2 cores those wakes made small ops 20-30% slower. An op nobody
-  // waits on is picked up within the current interval, and the thread then drives it without
-  // sleeping.
-  const auto base = std::chrono::microseconds(cfg_.progress_interval_us);
-  auto interval = base;
+  // Polls while ops are in flight on PollSchedule (wait_policy.hpp); an op nobody waits on is
+  // then driven without sleeping.
+  PollSchedule polls{std::chrono::microseconds(cfg_.progress_interval_us)};
   auto last_active = Clock::now();
   std::unique_lock<std::mutex> lk(thread_mu_);
   while (!stop_) {
@@ -338,19 +333,18 @@ void Engine::progress_thread_main() {
     if (!work) {
       backoff.reset();
       if (active_.load() > 0) last_active = Clock::now();
-      if (Clock::now() - last_active > kParkAfter) {
+      if (PollSchedule::park(last_active)) {
         thread_parked_.store(true);
         thread_cv_.wait(lk, [&] { return stop_ || active_.load() > 0; });
         thread_parked_.store(false);
         last_active = Clock::now();
-        interval = base;
+        polls.found_work();
       } else {
-        thread_cv_.wait_for(lk, interval);
-        interval = std::min(interval * 2, base * kMaxPollStretch);
+        thread_cv_.wait_for(lk, polls.next_wait());
       }
       continue;
     }
-    interval = base;
+    polls.found_work();
     lk.unlock();
     if (drive_and_complete()) backoff.reset();
     else backoff.pause();

@@ -30,12 +30,6 @@ namespace cam {
 
 class Engine {
  public:
-  // The progress thread's poll interval stretches up to this many times progress_interval_us
-  // while every op is waited by its issuer (progress_thread_main says why).
-  static constexpr int kMaxPollStretch = 8;
-  // ... and it parks, to be woken by the next op, once no op came for this long.
-  static constexpr std::chrono::milliseconds kParkAfter{100};
-
   // windows: where the op families' structures lie in the heap's windows (OpWindows::reserve
   // on the layout the heap was built with). group: how the flight recorder and log lines name
   // the group.

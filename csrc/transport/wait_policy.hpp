@@ -6,6 +6,7 @@
 // sleeping blind, so a sleeping rank costs no core and still answers as soon as it is rung.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -34,6 +35,34 @@ class Backoff {
   bool started_ = false;
   std::chrono::steady_clock::time_point start_;
   int64_t sleep_us_ = 0;
+};
+
+// How a background thread that runs the ops nobody waits on (the local engine's progress
+// thread, a spanning group's worker) polls for them: at `base` after it last found one, doubling
+// per poll that finds none up to kMaxStretch times that. Where every op is waited by its issuer
+// (the blocking style) each poll only costs a timer wake, and with 8 ranks on 2 cores those
+// wakes made small ops 20-30% slower; an op nobody waits on is still found within the current
+// interval. After kParkAfter without ops the thread parks, to be woken by the next op.
+class PollSchedule {
+ public:
+  static constexpr int kMaxStretch = 8;
+  static constexpr std::chrono::milliseconds kParkAfter{100};
+
+  explicit PollSchedule(std::chrono::microseconds base) : base_(base), next_(base) {}
+  // It found an op to run: the next wait is `base` again.
+  void found_work() { next_ = base_; }
+  // The wait before the next poll (each call without found_work() between doubles the next).
+  std::chrono::microseconds next_wait() {
+    const auto wait = next_;
+    next_ = std::min(next_ * 2, base_ * kMaxStretch);
+    return wait;
+  }
+  static bool park(std::chrono::steady_clock::time_point last_op) {
+    return std::chrono::steady_clock::now() - last_op > kParkAfter;
+  }
+
+ private:
+  std::chrono::microseconds base_, next_;
 };
 
 // Waits with `backoff` until counter (read with acquire order) reaches target: "" when it
