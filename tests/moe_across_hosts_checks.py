@@ -5,7 +5,9 @@ world group. Used by tests/test_hierarchical.py (hosts simulated with TORCH_CAM_
 tests/multihost/check_moe.py (namespaces, multihost.sh)."""
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 import time
 import unittest
@@ -47,6 +49,7 @@ def check_moe(rank: int, world: int) -> list[str]:
     same cases in the same order, so a failing case fails on all ranks alike."""
     import torch_cam
     from test_moe import MoeCases
+    from torch_cam import moe_reference as ref
     from test_moe_buffer import BufferCases
 
     moe = torch_cam.moe_hosts.moe_backend(dist.group.WORLD)  # held: the inline room set below sticks
@@ -58,12 +61,17 @@ def check_moe(rank: int, world: int) -> list[str]:
     runs = [(MoeCases, MOE_CASES, room, direct), (BufferCases, BUFFER_CASES, room, direct),
             (MoeCases, ("test_dispatch_combine_basic", "test_many_local_experts_and_empty_experts",
                         "test_invalid_inputs_fail_everywhere"), 2, direct)]
-    if moe.two_hop_possible:  # every dispatch in two hops (rows cross to the rail peer, then shm)
+    if moe.two_hop_possible:  # every dispatch and combine in two hops (through the rail peer and shm)
         runs += [(MoeCases, MOE_CASES, room, 0), (BufferCases, BUFFER_CASES, room, 0)]
+    # Combine in two hops sums each token's rows of a host there first: the references sum so too.
+    unpatched = {f: getattr(ref, f) for f in ("combine", "normal_combine", "low_latency_combine")}
     for cls, names, inline, two_hop_min in runs:
         moe.inline_ints = inline
         moe.two_hop_min_bytes = two_hop_min
+        for f, fn in unpatched.items():
+            setattr(ref, f, functools.partial(fn, hosts=moe.host_of) if two_hop_min == 0 else fn)
         hops_before = moe.stats()["two_hop_dispatches"]
+        combines_before = moe.stats()["two_hop_combines"]
         case = _on_world(cls)
         for name in names:
             if name == "test_invalid_inputs_fail_everywhere" and world % 3 == 0:
@@ -75,14 +83,61 @@ def check_moe(rank: int, world: int) -> list[str]:
                 bad.append(f"rank {rank} {cls.__name__}.{name}: {type(e).__name__}: {e}")
             took = time.monotonic() - start
             hops = moe.stats()["two_hop_dispatches"] - hops_before
+            combines = moe.stats()["two_hop_combines"] - combines_before
             moves_rows = not any(w in name for w in ("invalid", "fails_everywhere", "layout"))
             if two_hop_min == 0 and moves_rows and hops == 0:
                 bad.append(f"rank {rank} {cls.__name__}.{name}: no dispatch took two hops")
+            if two_hop_min == 0 and moves_rows and combines == 0 and name != "test_normal_fp8":  # dispatch only
+                bad.append(f"rank {rank} {cls.__name__}.{name}: no combine took two hops")
             hops_before += hops
+            combines_before += combines
             if rank == 0:
                 print(f"moe across hosts: {name}{' (two hops)' if two_hop_min == 0 else ''} {took:.2f} s",
                       flush=True)
     moe.inline_ints, moe.two_hop_min_bytes = room, direct
+    for f, fn in unpatched.items():
+        setattr(ref, f, fn)
+    for two_hop_min in ([direct, 0] if moe.two_hop_possible else [direct]):
+        moe.two_hop_min_bytes = two_hop_min
+        bad += _check_bad_plan(rank, world, moe)
+    moe.two_hop_min_bytes = direct
+    return bad
+
+
+def _check_bad_plan(rank: int, world: int, moe) -> list[str]:
+    """Rank 0 combines with an expand_idx that names rows past those its experts serve: it raises
+    naming the token and slot, after the other ranks have their rows, and they return outputs equal
+    to the reference's; the next combine works everywhere."""
+    import torch_cam
+    from test_moe import expert_fn, routing, tokens, weights
+    from torch_cam import moe_reference as ref
+
+    W, M, K, bs = world, 2 * world, min(4, 2 * world), 6
+    xs = [tokens(bs, torch.bfloat16, 700 + g) for g in range(W)]
+    ids = [routing(bs, K, M, 800 + g) for g in range(W)]
+    ws = [weights(bs, K, 900 + g) for g in range(W)]
+    two_hops = moe.two_hop_min_bytes == 0
+    want_d = ref.dispatch(xs, ids, M, expert_scales=ws)
+    ys = [expert_fn(d["expand_x"], g) for g, d in enumerate(want_d)]
+    want = ref.combine(ys, ids, [d["expand_idx"] for d in want_d], [d["ep_recv_counts"] for d in want_d], ws, M,
+                       hosts=moe.host_of if two_hops else None)[rank]
+    out = torch_cam.moe_distribute_dispatch(xs[rank], ids[rank], dist.group.WORLD, W, rank, M, expert_scales=ws[rank])
+    expand_x, _, expand_idx, _, counts = out[:5]
+    y = expert_fn(expand_x, rank)
+    how = f"bad plan{' (two hops)' if two_hops else ''}"
+    bad = []
+    for idx in ((expand_idx + 1000) if rank == 0 else expand_idx, expand_idx):
+        try:
+            got = torch_cam.moe_distribute_combine(y, ids[rank], idx, counts, ws[rank], dist.group.WORLD, W, rank, M)
+        except RuntimeError as e:
+            if not (rank == 0 and idx is not expand_idx
+                    and re.search(r"cam moe_combine on rank 0: token \d+ slot \d+: names row 10\d\d of segment", str(e))):
+                bad.append(f"rank {rank} {how}: raised {e}")
+            continue
+        if rank == 0 and idx is not expand_idx:
+            bad.append(f"rank {rank} {how}: a plan naming rows past the served ones did not raise")
+        elif not torch.equal(got[: want.shape[0]], want):
+            bad.append(f"rank {rank} {how}: combine differs from the reference")
     return bad
 
 

@@ -4,7 +4,9 @@
 group's own ``CamBackend`` when it lives on one host (csrc/moe/, rows pulled from peers'
 windows), else a ``HostsMoe`` (csrc/moe/hosts_moe.hpp) taking the same arguments and giving the
 same outputs, bit for bit, over the group's collectives: an all-gather of every rank's header,
-refusal and counts, then one all_to_all_single of packed rows. The ops complete before the call
+refusal and counts, then one all_to_all_single of packed rows (or, for large ops on hosts of
+equal size, two hops through the rail peer; a combine in two hops sums a token's rows of each
+other host there first, the order ``moe_reference``'s ``hosts=`` states). The ops complete before the call
 returns (``async_op`` of the Buffer is accepted and its event is already done);
 ``performance_info`` gets no per-peer wait times here.
 """

@@ -21,6 +21,10 @@ Numerical conventions (so that an implementation can be compared bit for bit whe
   ``scale = m / 127`` (float32).
 * Weighted sums accumulate in float32 as ``acc = acc + (w * row)`` (a rounded product, then a rounded
   add, never a fused multiply-add), in the order stated by each function, and are cast at the end.
+* Combine across hosts in two hops (``hosts``: the host index of every rank of the group): a
+  token's terms from ranks on another host than its own rank's are first summed there
+  (``partial = 0 + t1 + t2 ...`` in the same order), and each such partial is added, unweighted, in
+  the place of its host's first term (:func:`_sum_by_host`).
 
 Rank layout for the Ascend-style functions: the lists hold ``W*T`` global ranks with
 ``T = max(tp_world_size, 1)``; global rank ``g`` has ``ep_rank = g // T`` and ``tp_rank = g % T``; the
@@ -91,6 +95,28 @@ def calc_diff(a, b):
     if denom == 0:
         return 0.0
     return float(1 - 2 * (a * b).sum() / denom)
+
+
+def _sum_by_host(acc, terms, own, hosts):
+    """``acc`` plus one token's ``terms`` [(rank, float32 row)] in order; with ``hosts``, the terms
+    of each other host than ``hosts[own]``'s summed first, that partial added where the host's
+    first term stands."""
+    if hosts is None:
+        for _, v in terms:
+            acc = acc + v
+        return acc
+    partial = {}
+    for r, v in terms:
+        h = hosts[r]
+        if h != hosts[own]:
+            partial[h] = (partial[h] if h in partial else torch.zeros_like(v)) + v
+    for r, v in terms:
+        h = hosts[r]
+        if h == hosts[own]:
+            acc = acc + v
+        elif h in partial:
+            acc = acc + partial.pop(h)
+    return acc
 
 
 def _inclusive_cumsum(counts):
@@ -393,7 +419,7 @@ def combine(expert_outputs, expert_ids, expand_idx, ep_send_counts, expert_scale
             tp_send_counts=None, x_active_mask=None, shared_expert_x=None, tp_world_size=0,
             shared_expert_num=1, shared_expert_rank_num=0, comm_quant_mode=0, out_dtype=None, ori_x=None,
             const_expert_alpha_1=None, const_expert_alpha_2=None, const_expert_v=None, zero_expert_num=0,
-            copy_expert_num=0, const_expert_num=0):
+            copy_expert_num=0, const_expert_num=0, hosts=None):
     """Reference of ``npu_moe_distribute_combine`` (v1) / ``_v2`` for all ranks at once.
 
     ``expert_outputs[g]``: rank g's expert output, same row layout as its ``expand_x`` (T*A rows).
@@ -407,6 +433,7 @@ def combine(expert_outputs, expert_ids, expand_idx, ep_send_counts, expert_scale
     rank's row (unweighted) when S > 0; then ``shared_expert_x[t]`` (unweighted). With TP=2 the returned
     row is the float32 sum of both TP ranks' copies (own block + the peer's copy of it).
     ``comm_quant_mode == 2`` quantises every returned row (routed and shared) to int8 and back before use.
+    ``hosts`` (EP rank -> host index): the rows of other hosts are summed by host first (module doc).
     A token counts as inactive (result all zeros) when its 1-D mask is False or all of its 2-D mask
     entries are False. Output dtype: ``out_dtype`` if it is a torch.dtype, else expert_outputs' dtype.
     """
@@ -480,6 +507,7 @@ def combine(expert_outputs, expert_ids, expand_idx, ep_send_counts, expert_scale
         for t in range(bs):
             if not active_list[t]:
                 continue
+            terms = []  # (EP rank holding the row, weighted float32 row)
             for k in range(K):
                 if not allowed_list[t][k]:
                     continue
@@ -491,17 +519,17 @@ def combine(expert_outputs, expert_ids, expand_idx, ep_send_counts, expert_scale
                     cnt = cnts[d * T + p]
                     base = cnt[j * W + r - 1] if j * W + r > 0 else 0     # exclusive prefix
                     row = Z[d * T + p][base + eidx[t * K + k]]
-                    acc[t] = acc[t] + wk * row
+                    terms.append((d, wk * row))
                 elif e < zero_end:
                     pass
                 elif e < copy_end:
-                    acc[t] = acc[t] + wk * ori[g][t].to(torch.float32)
+                    terms.append((r, wk * ori[g][t].to(torch.float32)))
                 elif e < const_end:
                     c = e - copy_end
                     a1 = _per_rank(const_expert_alpha_1, g)[c].to(torch.float32)
                     a2 = _per_rank(const_expert_alpha_2, g)[c].to(torch.float32)
                     v = _per_rank(const_expert_v, g)[c].to(torch.float32)
-                    acc[t] = acc[t] + wk * (a1 * ori[g][t].to(torch.float32) + a2 * v)
+                    terms.append((r, wk * (a1 * ori[g][t].to(torch.float32) + a2 * v)))
                 else:
                     raise ValueError(f"expert id {e} on rank {g} is out of range")
             if S > 0:
@@ -512,7 +540,8 @@ def combine(expert_outputs, expert_ids, expand_idx, ep_send_counts, expert_scale
                     c = chunk_of[t]
                     lo = _shared_chunk_lo(r, c, bs, S)
                     row_idx = cnts[c * T + p][r - 1] + sum(active_list[lo:t])
-                acc[t] = acc[t] + Z[c * T + p][row_idx]
+                terms.append((c, Z[c * T + p][row_idx]))
+            acc[t] = _sum_by_host(acc[t], terms, r, hosts)
             if shared_x[g] is not None:
                 acc[t] = acc[t] + shared_x[g].reshape(bs, H)[t].to(torch.float32)
         outs.append(acc.to(dtype))
@@ -633,14 +662,15 @@ def normal_dispatch(xs, topk_idx, topk_weights, num_experts, *, expert_alignment
     return results
 
 
-def normal_combine(recv_xs, dispatch_results, topk_weights_recv=None, bias=None):
+def normal_combine(recv_xs, dispatch_results, topk_weights_recv=None, bias=None, hosts=None):
     """DeepEP normal-mode combine for all ranks: unweighted sum of the rows every destination returns.
 
     ``recv_xs[j]``: rank j's rows (same layout as its ``recv_x``). ``bias``: None, a list of per-rank
     (T, H) tensors, or a tuple of two such lists. Per token, float32: ``acc = bias0 + bias1`` (those
     given, in that order; DeepEP starts from the bias) then ``+ recv_xs[j][row]`` for destinations j in
     ascending order; cast to recv_xs' dtype. Weights likewise (no bias). Returns a list per rank of
-    ``(combined_x, combined_topk_weights or None)``.
+    ``(combined_x, combined_topk_weights or None)``. ``hosts`` (rank -> host index): the rows of
+    other hosts are summed by host first (module doc).
     """
     R = len(recv_xs)
     if isinstance(bias, tuple):
@@ -660,14 +690,42 @@ def normal_combine(recv_xs, dispatch_results, topk_weights_recv=None, bias=None)
         w_acc = None
         if topk_weights_recv is not None:
             w_acc = torch.zeros(n_tok, topk_weights_recv[0].shape[1], dtype=torch.float32)
+        terms = []  # per destination j: (j, tokens it returns rows of, their rows, their weights)
         for j in range(R):
             sel = torch.nonzero(pos[:, j] >= 0).flatten()
             rows = pos[sel, j].to(torch.int64)
-            acc[sel] = acc[sel] + recv_xs[j][rows].to(torch.float32)
-            if w_acc is not None:
-                w_acc[sel] = w_acc[sel] + topk_weights_recv[j][rows].to(torch.float32)
+            terms.append((j, sel, recv_xs[j][rows].to(torch.float32),
+                          topk_weights_recv[j][rows].to(torch.float32) if w_acc is not None else None))
+        acc = _sum_rows_by_host(acc, [(j, sel, x) for j, sel, x, _ in terms], s, hosts)
+        if w_acc is not None:
+            w_acc = _sum_rows_by_host(w_acc, [(j, sel, x) for j, sel, _, x in terms], s, hosts)
         out.append((acc.to(recv_xs[0].dtype), w_acc))
     return out
+
+
+def _sum_rows_by_host(acc, terms, own, hosts):
+    """:func:`_sum_by_host` for every token at once: ``terms`` [(rank, tokens, their float32 rows)]."""
+    if hosts is None:
+        for _, sel, x in terms:
+            acc[sel] = acc[sel] + x
+        return acc
+    partial, added = {}, {}
+    for r, sel, x in terms:
+        h = hosts[r]
+        if h != hosts[own]:
+            if h not in partial:
+                partial[h] = torch.zeros_like(acc)
+                added[h] = torch.zeros(acc.shape[0], dtype=torch.bool)
+            partial[h][sel] = partial[h][sel] + x
+    for r, sel, x in terms:
+        h = hosts[r]
+        if h == hosts[own]:
+            acc[sel] = acc[sel] + x
+        else:
+            first = sel[~added[h][sel]]
+            acc[first] = acc[first] + partial[h][first]
+            added[h][first] = True
+    return acc
 
 
 def low_latency_dispatch(xs, topk_idx, num_max_dispatch_tokens_per_rank, num_experts):
@@ -716,9 +774,10 @@ def low_latency_dispatch(xs, topk_idx, num_max_dispatch_tokens_per_rank, num_exp
     return results
 
 
-def low_latency_combine(ys, topk_idx, topk_weights, dispatch_results):
+def low_latency_combine(ys, topk_idx, topk_weights, dispatch_results, hosts=None):
     """DeepEP low-latency combine for all ranks: ``out[t] = sum_k w[t,k] * ys[owner][i, slot]`` over the
-    k with ``topk_idx != -1``, float32 in k order, cast to ys' dtype. ``ys[j]``: [L, max*R, H]."""
+    k with ``topk_idx != -1``, float32 in k order, cast to ys' dtype. ``ys[j]``: [L, max*R, H].
+    ``hosts`` (rank -> host index): the rows of other hosts are summed by host first (module doc)."""
     R = len(ys)
     num_experts = dispatch_results[0]["num_experts"]
     L = num_experts // R
@@ -739,12 +798,14 @@ def low_latency_combine(ys, topk_idx, topk_weights, dispatch_results):
                 slot[(t, k)] = seen.get(e, 0)
                 seen[e] = seen.get(e, 0) + 1
         for t in range(n_tok):
+            terms = []
             for k in range(K):
                 e = int(idx[t, k])
                 if e < 0:
                     continue
                 j, i = e // L, e % L
                 begin = int(dispatch_results[j]["layout_range"][i, s]) >> 32
-                acc[t] = acc[t] + w[t, k] * ys[j][i, begin + slot[(t, k)]].to(torch.float32)
+                terms.append((j, w[t, k] * ys[j][i, begin + slot[(t, k)]].to(torch.float32)))
+            acc[t] = _sum_by_host(acc[t], terms, s, hosts)
         out.append(acc.to(ys[0].dtype))
     return out

@@ -97,23 +97,42 @@ void weighted_sum_rows(const at::Tensor& rows, const at::Tensor& scales, const a
   const int64_t row_bytes = H * int64_t(rows.element_size());
   const float* sc = int8 ? scales.data_ptr<float>() : nullptr;
   const float* w = weights.defined() ? weights.data_ptr<float>() : nullptr;
+  std::vector<RowTerm> terms;
+  terms.reserve(size_t(T * P));
+  std::vector<int64_t> first(size_t(T) + 1, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t s = 0; s < P; ++s) {
+      const int64_t r = idx[t * P + s];
+      if (r >= 0) terms.push_back({base + r * row_bytes, dtype, w ? w[t * P + s] : 1.f, sc ? sc[r] : 1.f});
+    }
+    first[size_t(t) + 1] = int64_t(terms.size());
+  }
+  sum_row_terms(terms, first, add, add_first, out);
+}
+
+void sum_row_terms(const std::vector<RowTerm>& terms, const std::vector<int64_t>& first, const at::Tensor& add,
+                   bool add_first, at::Tensor& out) {
+  need_rows(out, "the output");
+  const int64_t T = out.size(0), H = out.size(1);
+  const auto out_dtype = out.scalar_type(), add_dtype = add.defined() ? add.scalar_type() : out_dtype;
+  TORCH_CHECK(int64_t(first.size()) == T + 1 && first.back() == int64_t(terms.size()), "cam moe: ", T,
+              " tokens need ", T + 1, " term bounds ending at ", terms.size());
+  TORCH_CHECK(!add.defined() || (add.is_contiguous() && add.sizes() == out.sizes()),
+              "cam moe: the added rows must have the output's shape");
   const char* a = add.defined() ? static_cast<const char*>(add.data_ptr()) : nullptr;
   const int64_t add_row = H * int64_t(c10::elementSize(add_dtype));
   const int64_t out_row = H * int64_t(c10::elementSize(out_dtype));
   char* o = static_cast<char*>(out.data_ptr());
-  std::vector<const void*> srcs(static_cast<size_t>(P));
-  std::vector<c10::ScalarType> dtypes(static_cast<size_t>(P), dtype);
-  std::vector<float> ws(static_cast<size_t>(P)), ss(static_cast<size_t>(P));
+  std::vector<const void*> srcs;
+  std::vector<c10::ScalarType> dtypes;
+  std::vector<float> ws, ss;
   for (int64_t t = 0; t < T; ++t) {
-    kernels::WeightedRows src{srcs.data(), dtypes.data(), ws.data(), ss.data(), 0};
-    for (int64_t s = 0; s < P; ++s) {
-      const int64_t r = idx[t * P + s];
-      if (r < 0) continue;
-      const int k = src.count++;
-      srcs[k] = base + r * row_bytes;
-      ws[k] = w ? w[t * P + s] : 1.f;
-      ss[k] = sc ? sc[r] : 1.f;
+    srcs.clear(), dtypes.clear(), ws.clear(), ss.clear();
+    for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i) {
+      const RowTerm& r = terms[size_t(i)];
+      srcs.push_back(r.row), dtypes.push_back(r.dtype), ws.push_back(r.weight), ss.push_back(r.scale);
     }
+    const kernels::WeightedRows src{srcs.data(), dtypes.data(), ws.data(), ss.data(), int(srcs.size())};
     kernels::weighted_sum_row(src, add_dtype, a ? a + t * add_row : nullptr, add_first, out_dtype, o + t * out_row, H);
   }
 }

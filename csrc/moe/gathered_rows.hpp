@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 namespace cam::moe {
 
 // q[i] / scales[i] = dynamic int8 of rows[i] (H = rows.size(1)), after multiplying by
@@ -22,5 +24,17 @@ void quantize_rows(const at::Tensor& rows, const at::Tensor& smooth, const at::T
 // before the rows when add_first, else after them. Index bounds are checked here.
 void weighted_sum_rows(const at::Tensor& rows, const at::Tensor& scales, const at::Tensor& index,
                        const at::Tensor& weights, const at::Tensor& add, bool add_first, at::Tensor& out);
+
+// One row of a token's sum: where it lies, its dtype (kChar: int8, dequantized as q * scale)
+// and its weight.
+struct RowTerm {
+  const void* row;
+  c10::ScalarType dtype;
+  float weight, scale;
+};
+// out[t] = the sum of terms[first[t] .. first[t + 1]) in order, each weighted, with `add` as in
+// weighted_sum_rows (H = out.size(1); every term's row holds H elements).
+void sum_row_terms(const std::vector<RowTerm>& terms, const std::vector<int64_t>& first, const at::Tensor& add,
+                   bool add_first, at::Tensor& out);
 
 }  // namespace cam::moe

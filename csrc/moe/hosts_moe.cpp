@@ -602,6 +602,68 @@ void HostsMoe::dispatch(const MoeDispatchArgs& a) {
 
 // ---- combine ---------------------------------------------------------------------------------
 
+// One rank's combine against the agreed tables: every rank's segments (which rows it serves
+// whom), and, where two hops are possible, how many tokens and plan entries each rank has on
+// each host; and this rank's plan, checked entry by entry against those tables.
+struct HostsMoe::CombinePlan {
+  const Agreed& g;
+  int64_t H, width;  // hidden size; bytes per row as sent (int8 + scale under quantization)
+  bool quant;
+  at::ScalarType dtype;  // of the served rows
+  int64_t T, P;          // this rank's plan: tokens, entries per token
+  const int32_t* peer;
+  const int32_t* seg;
+  const int64_t* off;
+  const float* weight;        // null: 1
+  std::vector<uint8_t> good;  // [T * P]: the entry names a row that exists and is this rank's
+  std::string bad;            // the first bad entry, said as the error this rank raises
+
+  int64_t segments(int p) const { return g.heads[size_t(p)][kSegments]; }
+  // seg(p, s) = [first, rows, owner] of rank p's segment s.
+  const int64_t* segment(int p, int64_t s) const { return &g.extras[size_t(p)][size_t(3 * s)]; }
+  // Rank s's tokens with entries on host h, and those entries (as counted by plan_per_host).
+  int64_t tokens(int s, int h) const { return g.extras[size_t(s)][size_t(3 * segments(s) + 2 * h)]; }
+  int64_t entries(int s, int h) const { return g.extras[size_t(s)][size_t(3 * segments(s) + 2 * h + 1)]; }
+};
+
+namespace {
+
+// [tokens, entries] on each host of the plan's entries that name a rank of the group, 2 per host.
+std::vector<int64_t> plan_per_host(const MoeCombineArgs& a, const HostMap& hosts, int size) {
+  const int64_t T = a.plan_peer.size(0), P = a.plan_peer.size(1);
+  const int32_t* peer = a.plan_peer.data_ptr<int32_t>();
+  std::vector<int64_t> out(size_t(2 * hosts.hosts()), 0);
+  std::vector<int64_t> seen(size_t(hosts.hosts()), -1);  // the last token counted per host
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t s = 0; s < P; ++s) {
+      const int32_t p = peer[t * P + s];
+      if (p < 0 || p >= size) continue;
+      const int h = hosts.host_of[size_t(p)];
+      if (seen[size_t(h)] != t) seen[size_t(h)] = t, ++out[size_t(2 * h)];
+      ++out[size_t(2 * h + 1)];
+    }
+  return out;
+}
+
+}  // namespace
+
+bool HostsMoe::combine_in_two_hops(const CombinePlan& c) const {
+  if (hier_ == nullptr) return false;
+  const HostMap& m = *hosts_;
+  int64_t rows = 0, hops = 0;  // bytes between hosts: each row on its own; in two hops
+  for (int p = 0; p < size_; ++p) {
+    for (int64_t s = 0; s < c.segments(p); ++s) {
+      const int64_t* e = c.segment(p, s);
+      if (m.host_of[size_t(e[2])] != m.host_of[size_t(p)]) rows += e[1] * c.width;
+    }
+    for (int h = 0; h < m.hosts(); ++h)
+      if (h != m.host_of[size_t(p)]) hops += c.tokens(p, h) * (4 + 4 * c.H) + c.entries(p, h) * 16;
+  }
+  return rows >= two_hop_min_bytes_ && (two_hop_min_bytes_ == 0 || hops < rows);
+}
+
+std::vector<int> HostsMoe::host_of() const { return hosts_ ? hosts_->host_of : std::vector<int>(); }
+
 void HostsMoe::combine(const MoeCombineArgs& a) {
   const int W = size_, me = rank_;
   std::string refusal;  // this rank's argument error: every rank raises it, naming this rank
@@ -621,6 +683,10 @@ void HostsMoe::combine(const MoeCombineArgs& a) {
     header[kCombineDtype] = int64_t(a.rows.scalar_type());
     header[kCombineQuant] = int64_t(a.quant);
     table.assign(a.segments.data_ptr<int64_t>(), a.segments.data_ptr<int64_t>() + 3 * nseg);
+    if (hier_) {  // what two hops would carry
+      const auto per_host = plan_per_host(a, *hosts_, W);
+      table.insert(table.end(), per_host.begin(), per_host.end());
+    }
   }
   const Agreed g = agree("moe_combine", header, refusal, table);
   const std::string where = cam::str("cam moe_combine on rank ", me);
@@ -642,80 +708,85 @@ void HostsMoe::combine(const MoeCombineArgs& a) {
                 cam::dtype_name(int(g.heads[first_serving][kCombineDtype])), "; every rank must return one dtype");
   }
   const auto dtype = first_serving >= 0 ? at::ScalarType(g.heads[first_serving][kCombineDtype]) : a.rows.scalar_type();
-  // Every rank's segments: seg(p, s) = [first, rows, owner].
-  auto seg = [&](int p, int64_t s) { return &g.extras[p][size_t(3 * s)]; };
-  auto nseg_of = [&](int p) { return g.heads[p][kSegments]; };
+  const int64_t elem = int64_t(c10::elementSize(dtype));
+  CombinePlan c{g, H, a.quant ? H + 4 : H * elem, a.quant, dtype, a.plan_peer.size(0), a.plan_peer.size(1),
+                a.plan_peer.data_ptr<int32_t>(), a.plan_seg.data_ptr<int32_t>(), a.plan_off.data_ptr<int64_t>(),
+                a.plan_weight.defined() ? a.plan_weight.data_ptr<float>() : nullptr, {}, {}};
+
+  // The plan against what every peer serves (a bad plan fails this rank, after its peers have
+  // their rows: as on one host).
+  c.good.assign(size_t(c.T * c.P), 0);
+  for (int64_t i = 0; i < c.T * c.P; ++i) {
+    const int64_t p = c.peer[i], s = c.seg[i], o = c.off[i];
+    if (p < 0) continue;
+    std::string what;
+    if (p >= W) {
+      what = cam::str("names rank ", p, " outside the group of ", W);
+    } else if (s < 0 || s >= c.segments(int(p))) {
+      what = cam::str("names segment ", s, " of rank ", p, ", which serves ", c.segments(int(p)),
+                      " segments (ep_send_counts / handle from another dispatch?)");
+    } else {
+      const int64_t* e = c.segment(int(p), s);
+      if (o < 0 || o >= e[1] || e[0] + o >= g.heads[p][kRows])
+        what = cam::str("names row ", o, " of segment ", s, " of rank ", p, ", which holds ", e[1],
+                        " rows there and returns ", g.heads[p][kRows], " in all (expand_idx / handle from another "
+                        "dispatch, or expand_x shorter than dispatch produced?)");
+      else if (e[2] != me)
+        what = cam::str("names segment ", s, " of rank ", p, ", which holds rank ", e[2], "'s tokens, not this rank's");
+    }
+    if (what.empty()) c.good[size_t(i)] = 1;
+    else if (c.bad.empty()) c.bad = cam::str(where, ": token ", i / c.P, " slot ", i % c.P, ": ", what);
+  }
+  // The served rows as they travel: as they are, or int8 + scale.
+  at::Tensor rows;
+  if (n == 0) {
+    rows = at::empty({0, c.width}, at::kByte);
+  } else if (a.quant) {
+    at::Tensor q = at::empty({n, H}, at::kChar), qs = at::empty({n}, at::kFloat);
+    quantize_rows(a.rows, at::Tensor(), at::Tensor(), q, qs);
+    rows = at::cat({row_bytes(q), row_bytes(qs.view({-1, 1}))}, 1);
+  } else {
+    rows = row_bytes(a.rows);
+  }
+  if (combine_in_two_hops(c)) {
+    combine_two_hop(c, a, rows);
+    ++two_hop_combines_;
+    return;
+  }
+  ++direct_combines_;
 
   // The rows this rank sends each owner: its segments of that owner, in segment order.
   std::vector<int64_t> send_rows(W, 0), send_index;
   for (int s = 0; s < W; ++s) {
     for (int64_t i = 0; i < nseg; ++i) {
-      const int64_t* e = seg(me, i);
+      const int64_t* e = c.segment(me, i);
       if (e[2] != s) continue;
       for (int64_t k = 0; k < e[1]; ++k) send_index.push_back(e[0] + k);
       send_rows[s] += e[1];
     }
   }
-  const int64_t elem = int64_t(c10::elementSize(dtype));
-  const int64_t width = a.quant ? H + 4 : H * elem;
-  at::Tensor send = at::empty({int64_t(send_index.size()), width}, at::kByte);
-  if (!send_index.empty()) {
-    uint8_t* s = send.data_ptr<uint8_t>();
-    if (a.quant) {
-      at::Tensor q = at::empty({n, H}, at::kChar), qs = at::empty({n}, at::kFloat);
-      quantize_rows(a.rows, at::Tensor(), at::Tensor(), q, qs);
-      for (size_t i = 0; i < send_index.size(); ++i) {
-        std::memcpy(s + i * width, q.data_ptr<int8_t>() + send_index[i] * H, size_t(H));
-        std::memcpy(s + i * width + H, qs.data_ptr<float>() + send_index[i], 4);
-      }
-    } else {
-      const char* rows = static_cast<const char*>(a.rows.data_ptr());
-      for (size_t i = 0; i < send_index.size(); ++i)
-        std::memcpy(s + i * width, rows + send_index[i] * width, size_t(width));
-    }
-  }
+  at::Tensor send = at::empty({int64_t(send_index.size()), c.width}, at::kByte);
+  uint8_t* to = send.data_ptr<uint8_t>();
+  const uint8_t* from = rows.data_ptr<uint8_t>();
+  for (size_t i = 0; i < send_index.size(); ++i)
+    std::memcpy(to + i * c.width, from + send_index[i] * c.width, size_t(c.width));
   // Each peer's segments of this rank: where their rows land in the received buffer.
   std::vector<int64_t> recv_rows(W, 0);
   std::vector<std::vector<int64_t>> seg_base(W);
   int64_t base = 0;
   for (int p = 0; p < W; ++p) {
-    seg_base[p].assign(size_t(std::max<int64_t>(nseg_of(p), 1)), 0);
-    for (int64_t s = 0; s < nseg_of(p); ++s) {
+    seg_base[p].assign(size_t(std::max<int64_t>(c.segments(p), 1)), 0);
+    for (int64_t s = 0; s < c.segments(p); ++s) {
       seg_base[p][size_t(s)] = base;
-      if (seg(p, s)[2] == me) base += seg(p, s)[1], recv_rows[p] += seg(p, s)[1];
+      if (c.segment(p, s)[2] == me) base += c.segment(p, s)[1], recv_rows[p] += c.segment(p, s)[1];
     }
   }
-  const at::Tensor recv = exchange_rows("moe_combine", send, send_rows, recv_rows, width);
-
-  // The plan against what every peer serves (a bad plan fails this rank, after its peers have
-  // their rows: as on one host).
-  const int64_t T = a.plan_peer.size(0), P = a.plan_peer.size(1);
-  const int32_t* peer = a.plan_peer.data_ptr<int32_t>();
-  const int32_t* pseg = a.plan_seg.data_ptr<int32_t>();
-  const int64_t* off = a.plan_off.data_ptr<int64_t>();
-  at::Tensor index = at::empty({T, P}, at::kLong);
+  const at::Tensor recv = exchange_rows("moe_combine", send, send_rows, recv_rows, c.width);
+  TORCH_CHECK(c.bad.empty(), c.bad);
+  at::Tensor index = at::empty({c.T, c.P}, at::kLong);
   int64_t* idx = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < T * P; ++i) {
-    const int64_t p = peer[i], s = pseg[i], o = off[i];
-    if (p < 0) {
-      idx[i] = -1;
-      continue;
-    }
-    auto fail = [&](const std::string& what) {
-      TORCH_CHECK(false, where, ": token ", i / P, " slot ", i % P, ": ", what);
-    };
-    if (p >= W) fail(cam::str("names rank ", p, " outside the group of ", W));
-    if (s < 0 || s >= nseg_of(int(p)))
-      fail(cam::str("names segment ", s, " of rank ", p, ", which serves ", nseg_of(int(p)),
-               " segments (ep_send_counts / handle from another dispatch?)"));
-    const int64_t* e = seg(int(p), s);
-    if (o < 0 || o >= e[1] || e[0] + o >= g.heads[p][kRows])
-      fail(cam::str("names row ", o, " of segment ", s, " of rank ", p, ", which holds ", e[1], " rows there and returns ",
-               g.heads[p][kRows], " in all (expand_idx / handle from another dispatch, or expand_x shorter than "
-               "dispatch produced?)"));
-    if (e[2] != me) fail(cam::str("names segment ", s, " of rank ", p, ", which holds rank ", e[2], "'s tokens, not this rank's"));
-    idx[i] = seg_base[p][size_t(s)] + o;
-  }
+  for (int64_t i = 0; i < c.T * c.P; ++i)
+    idx[i] = c.good[size_t(i)] ? seg_base[size_t(c.peer[i])][size_t(c.seg[i])] + c.off[i] : -1;
   at::Tensor rows_in, scales_in;
   if (a.quant) {
     rows_in = recv.narrow(1, 0, H).contiguous().view(at::kChar);
@@ -725,6 +796,179 @@ void HostsMoe::combine(const MoeCombineArgs& a) {
   }
   at::Tensor out = a.out;
   weighted_sum_rows(rows_in, scales_in, index, a.plan_weight, a.add, a.add_first, out);
+}
+
+// Combine in two hops (DeepEP's normal mode, and the way back of dispatch_two_hop). A served row
+// goes first, over this host's shared memory, to the rank of its owner's local index here (the
+// owner itself when it is on this host). That rank sums, for each token of its rail peer on
+// another host, the token's rows on this host: in float32, in the owner's slot order, weighted
+// by the owner's plan, which reached it over the rail before; and returns one float32 partial
+// per token over the rail. The owner then sums, in slot order, its own host's rows and each
+// other host's partial in the place of that host's first slot. So rows cross a link summed, not
+// one by one, and the sum's order (its last bits) differs from the direct path's wherever a
+// token has rows on a host other than its owner's; moe_reference's `hosts` gives the same sums.
+//   hop 1, rail:  per token with entries there (token order) its entry count, then the entries:
+//                 16 bytes each (local index of the serving rank, its segment, offset, weight;
+//                 local index -1: an entry this rank found bad, skipped)
+//   hop 2, host:  served rows, to the rank of their owner's local index, in segment order
+//   hop 3, rail:  float32 partial sums, one per token with entries on the sender's host
+void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, const at::Tensor& rows) {
+  struct Entry {
+    int32_t local, seg, off;
+    float weight;
+  };
+  static_assert(sizeof(Entry) == 16);
+  const HostMap& m = *hosts_;
+  const int me = rank_, hm = m.host_of[size_t(me)], lm = m.local_of[size_t(me)], hosts = m.hosts();
+  const int L = int(m.ranks[0].size());
+  auto rail_peer = [&](int h, int l) { return m.ranks[size_t(h)][size_t(l)]; };
+  const int64_t H = c.H, partial = 4 * H;
+
+  // Hop 1: this rank's plan for each other host.
+  std::vector<int64_t> in_a(hosts, 0), out_a(hosts, 0);
+  for (int h = 0; h < hosts; ++h) {
+    if (h == hm) continue;
+    in_a[size_t(h)] = 4 * c.tokens(me, h) + 16 * c.entries(me, h);
+    out_a[size_t(h)] = 4 * c.tokens(rail_peer(h, lm), hm) + 16 * c.entries(rail_peer(h, lm), hm);
+  }
+  at::Tensor send_a = at::empty({std::accumulate(in_a.begin(), in_a.end(), int64_t(0))}, at::kByte);
+  {
+    uint8_t* o = send_a.data_ptr<uint8_t>();
+    for (int h = 0; h < hosts; ++h) {
+      if (h == hm) continue;
+      int32_t* counts = reinterpret_cast<int32_t*>(o);
+      Entry* entries = reinterpret_cast<Entry*>(o + 4 * c.tokens(me, h));
+      int64_t tokens = 0, n = 0;
+      for (int64_t t = 0; t < c.T; ++t) {
+        int32_t here = 0;
+        for (int64_t s = 0; s < c.P; ++s) {
+          const int64_t i = t * c.P + s;
+          const int32_t p = c.peer[i];
+          if (p < 0 || p >= size_ || m.host_of[size_t(p)] != h) continue;
+          Entry e{-1, 0, 0, 0.f};
+          if (c.good[size_t(i)])
+            e = {int32_t(m.local_of[size_t(p)]), c.seg[i], int32_t(c.off[i]), c.weight ? c.weight[i] : 1.f};
+          std::memcpy(&entries[n++], &e, sizeof e);  // unaligned when the counts are odd
+          ++here;
+        }
+        if (here > 0) std::memcpy(&counts[tokens++], &here, 4);
+      }
+      TORCH_CHECK(tokens == c.tokens(me, h) && n == c.entries(me, h), "counted ", c.tokens(me, h), " tokens and ",
+                  c.entries(me, h), " entries for host ", h, ", packed ", tokens, " and ", n);
+      o += in_a[size_t(h)];
+    }
+  }
+  // Hop 2: served rows to the rank of their owner's local index; `base[l][s]`: where local rank
+  // l's segment s starts among the rows that arrive here.
+  std::vector<int64_t> in_b(L, 0), out_b(L, 0);
+  std::vector<std::vector<int64_t>> base(L);
+  int64_t arrived = 0;
+  for (int l = 0; l < L; ++l) {
+    const int p = rail_peer(hm, l);
+    base[size_t(l)].assign(size_t(std::max<int64_t>(c.segments(p), 1)), 0);
+    for (int64_t s = 0; s < c.segments(p); ++s) {
+      const int64_t* e = c.segment(p, s);
+      base[size_t(l)][size_t(s)] = arrived;
+      if (m.local_of[size_t(e[2])] == lm) arrived += e[1], out_b[size_t(l)] += e[1] * c.width;
+    }
+  }
+  for (int64_t s = 0; s < c.segments(me); ++s)
+    in_b[size_t(m.local_of[size_t(c.segment(me, s)[2])])] += c.segment(me, s)[1] * c.width;
+  at::Tensor send_b = at::empty({std::accumulate(in_b.begin(), in_b.end(), int64_t(0))}, at::kByte);
+  {
+    uint8_t* o = send_b.data_ptr<uint8_t>();
+    const uint8_t* from = rows.data_ptr<uint8_t>();
+    for (int l = 0; l < L; ++l)
+      for (int64_t s = 0; s < c.segments(me); ++s) {
+        const int64_t* e = c.segment(me, s);
+        if (m.local_of[size_t(e[2])] != l) continue;
+        std::memcpy(o, from + e[0] * c.width, size_t(e[1] * c.width));
+        o += e[1] * c.width;
+      }
+  }
+  // Hop 3: a partial per token of each rail peer with entries on this host.
+  std::vector<int64_t> in_c(hosts, 0), out_c(hosts, 0);
+  for (int h = 0; h < hosts; ++h) {
+    if (h == hm) continue;
+    in_c[size_t(h)] = c.tokens(rail_peer(h, lm), hm) * partial;
+    out_c[size_t(h)] = c.tokens(me, h) * partial;
+  }
+  at::Tensor recv_b = at::empty({arrived * c.width}, at::kByte);
+  at::Tensor recv_c = at::empty({std::accumulate(out_c.begin(), out_c.end(), int64_t(0))}, at::kByte);
+  const c10::ScalarType row_dtype = c.quant ? at::kChar : c.dtype;
+  // The term for a row that arrived in hop 2: local rank l's segment s, row o.
+  auto served = [&](int l, int64_t s, int64_t o, float w) {
+    const uint8_t* row = recv_b.data_ptr<uint8_t>() + (base[size_t(l)][size_t(s)] + o) * c.width;
+    float scale = 1.f;
+    if (c.quant) std::memcpy(&scale, row + H, 4);
+    return RowTerm{row, row_dtype, w, scale};
+  };
+  try {
+    // Packed, exchanged and summed on the group's worker: a failure anywhere fails the op on every rank.
+    hier_->run("moe_combine (two hops)", [&] {
+      at::Tensor recv_a = at::empty({std::accumulate(out_a.begin(), out_a.end(), int64_t(0))}, at::kByte);
+      hier_->rail_alltoall(recv_a, send_a, out_a, in_a);
+      hier_->host_alltoall(recv_b, send_b, out_b, in_b);
+      std::vector<RowTerm> terms;
+      std::vector<int64_t> first{0};
+      const uint8_t* block = recv_a.data_ptr<uint8_t>();
+      for (int h = 0; h < hosts; ++h) {
+        if (h == hm) continue;
+        const int s = rail_peer(h, lm);
+        const int64_t tokens = c.tokens(s, hm);
+        const uint8_t* e = block + 4 * tokens;
+        for (int64_t t = 0; t < tokens; ++t) {
+          int32_t count;
+          std::memcpy(&count, block + 4 * t, 4);
+          for (int32_t k = 0; k < count; ++k, e += 16) {
+            Entry x;
+            std::memcpy(&x, e, 16);
+            if (x.local < 0) continue;  // the owner found it bad and raises
+            const int p = x.local < L ? rail_peer(hm, x.local) : -1;
+            const int64_t* sg = p >= 0 && x.seg >= 0 && x.seg < c.segments(p) ? c.segment(p, x.seg) : nullptr;
+            TORCH_CHECK(sg && sg[2] == s && x.off >= 0 && x.off < sg[1], "rank ", s, " sent a plan entry (local rank ",
+                        x.local, ", segment ", x.seg, ", row ", x.off, ") that names no row of its own on this host");
+            terms.push_back(served(x.local, x.seg, x.off, x.weight));
+          }
+          first.push_back(int64_t(terms.size()));
+        }
+        block += out_a[size_t(h)];
+      }
+      at::Tensor sums = at::empty({int64_t(first.size()) - 1, H}, at::kFloat);
+      sum_row_terms(terms, first, at::Tensor(), false, sums);
+      hier_->rail_alltoall(recv_c, sums.view(-1).view(at::kByte), out_c, in_c);
+    });
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "cam moe_combine on rank ", rank_, ": ", e.what());
+  }
+  TORCH_CHECK(c.bad.empty(), c.bad);
+
+  // This rank's tokens: its host's rows and the other hosts' partials, in slot order.
+  std::vector<const uint8_t*> partials(hosts, nullptr);  // the next partial from each host
+  {
+    const uint8_t* p = recv_c.data_ptr<uint8_t>();
+    for (int h = 0; h < hosts; ++h) partials[size_t(h)] = p, p += out_c[size_t(h)];
+  }
+  std::vector<RowTerm> terms;
+  std::vector<int64_t> first{0};
+  std::vector<int64_t> taken(hosts, -1);  // the last token that took each host's partial
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int64_t s = 0; s < c.P; ++s) {
+      const int64_t i = t * c.P + s;
+      if (c.peer[i] < 0) continue;
+      const int p = c.peer[i], h = m.host_of[size_t(p)];
+      if (h == hm) {
+        terms.push_back(served(m.local_of[size_t(p)], c.seg[i], c.off[i], c.weight ? c.weight[i] : 1.f));
+      } else if (taken[size_t(h)] != t) {
+        taken[size_t(h)] = t;
+        terms.push_back({partials[size_t(h)], at::kFloat, 1.f, 1.f});
+        partials[size_t(h)] += partial;
+      }
+    }
+    first.push_back(int64_t(terms.size()));
+  }
+  at::Tensor out = a.out;
+  sum_row_terms(terms, first, a.add, a.add_first, out);
 }
 
 }  // namespace cam::moe

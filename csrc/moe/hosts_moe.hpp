@@ -1,9 +1,10 @@
 // HostsMoe: MoE dispatch and combine on a group whose ranks span hosts (or on a group whose
 // backend is cam's one-sided engine alone, as the in-process test transport's groups are). It
 // takes the single-host ops' arguments (MoeDispatchArgs, MoeCombineArgs) and gives the same
-// outputs bit for bit, over the group's own collectives, so that the rows travel over shared
-// memory inside a host and over UCX (or the gloo fallback) between hosts. An op is, on the
-// group's c10d backend, called from here and complete before the call returns:
+// outputs bit for bit (but for the order of combine_two_hop's sum), over the group's own
+// collectives, so that the rows travel over shared memory inside a host and over UCX (or the
+// gloo fallback) between hosts. An op is, on the group's c10d backend, called from here and
+// complete before the call returns:
 //
 //   1. an all-gather of every rank's fixed-size record: its refusal text (argument errors are
 //      found before anything moves), a header of shapes and options (every rank checks every
@@ -16,6 +17,8 @@
 //      sender can quantize (no per-expert smooth scales), side data, weight, token and slot;
 //      combine: int8 + scale under comm quantization), and the receiver places, quantizes or
 //      weights them from that one buffer with the single-host kernels (gathered_rows.hpp).
+//      Where hosts hold equally many ranks, more than one each, large ops cross hosts in two
+//      hops instead, once per token and host (dispatch_two_hop, combine_two_hop).
 //
 // The index math is plain loops over the counts: no tensor op per step, so a decode-sized call
 // costs its two collectives and little else.
@@ -60,7 +63,9 @@ class HostsMoe {
   int64_t inline_ints() const { return inline_ints_; }
   void set_inline_ints(int64_t n);
   // Dispatch rows cross hosts in two hops (see dispatch_two_hop) when the group's hosts hold
-  // equally many ranks, more than one each, and the bytes between hosts reach this.
+  // equally many ranks, more than one each, and the bytes between hosts reach this; combine
+  // does (combine_two_hop) when they reach it and its partial sums cross fewer bytes than the
+  // rows would. 0 sends both ops through two hops always (tests).
   static constexpr int64_t kTwoHopMinBytes = 1 << 20;
   int64_t two_hop_min_bytes() const { return two_hop_min_bytes_; }
   void set_two_hop_min_bytes(int64_t n);
@@ -68,6 +73,11 @@ class HostsMoe {
   // Dispatches so far that took two hops, and that went straight to their receivers.
   int64_t two_hop_dispatches() const { return two_hop_dispatches_; }
   int64_t direct_dispatches() const { return direct_dispatches_; }
+  int64_t two_hop_combines() const { return two_hop_combines_; }
+  int64_t direct_combines() const { return direct_combines_; }
+  // Each group rank's host index (where two hops are possible; else empty): the order a
+  // combine in two hops sums in depends on it.
+  std::vector<int> host_of() const;
 
  private:
   using Header = std::array<int64_t, kHeaderInts>;
@@ -112,6 +122,12 @@ class HostsMoe {
   at::Tensor second_hop(const TwoHops& x, const uint8_t* records, const std::vector<int64_t>& at,
                         const at::Tensor& arrived, const std::vector<int64_t>& arrived_bytes,
                         const std::vector<int64_t>& bytes) const;
+  struct CombinePlan;
+  // Whether this combine takes two hops: decided from the agreed tables, alike on every rank.
+  bool combine_in_two_hops(const CombinePlan& c) const;
+  // Combine in two hops (see hosts_moe.cpp): this rank's output, summed from its own host's rows
+  // and one partial sum per token from each other host.
+  void combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, const at::Tensor& rows);
   void check_dispatch_headers(const std::vector<Header>& heads) const;
   void check_capacity(const Agreed& g, int64_t M, int64_t S, int64_t L) const;
 
@@ -119,7 +135,7 @@ class HostsMoe {
   int rank_, size_;
   int64_t inline_ints_ = kInlineInts;
   int64_t two_hop_min_bytes_ = kTwoHopMinBytes;
-  int64_t two_hop_dispatches_ = 0, direct_dispatches_ = 0;
+  int64_t two_hop_dispatches_ = 0, direct_dispatches_ = 0, two_hop_combines_ = 0, direct_combines_ = 0;
   // Hosts of equal size, more than one rank each (else null): where two hops can pay. Both
   // live as long as group_.
   HierarchicalBackend* hier_ = nullptr;

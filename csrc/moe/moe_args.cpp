@@ -107,10 +107,11 @@ void check_combine_args(const MoeCombineArgs& a, int size) {
   const int64_t n = a.rows.size(0);
   const int64_t* seg = a.segments.data_ptr<int64_t>();
   for (int64_t i = 0; i < a.segments.size(0); ++i) {
-    const int64_t first = seg[3 * i], count = seg[3 * i + 1];
+    const int64_t first = seg[3 * i], count = seg[3 * i + 1], owner = seg[3 * i + 2];
     need(first >= 0 && count >= 0 && first <= n - count,
          cam::str("segment ", i, " [", first, ", ", first + count, ") lies outside the ", n,
                   " expert output rows (fewer rows than dispatch served?)"));
+    need(owner >= 0 && owner < size, cam::str("segment ", i, " names owner rank ", owner, " outside the group of ", size));
   }
   need(a.out.is_contiguous() && a.out.dim() == 2 && kernels::moe_row_dtype_supported(a.out.scalar_type()) &&
            a.out.size(1) == a.rows.size(1), "the output must be a contiguous float tensor of the rows' hidden size");

@@ -25,9 +25,12 @@ void bind_hosts_moe(py::module& m) {
       .def_property("inline_ints", &HostsMoe::inline_ints, &HostsMoe::set_inline_ints,
                     "Counts that ride inline in the first all-gather; longer ones take a second")
       .def_property("two_hop_min_bytes", &HostsMoe::two_hop_min_bytes, &HostsMoe::set_two_hop_min_bytes,
-                    "Dispatch bytes between hosts from which rows cross in two hops (where hosts allow it)")
+                    "Bytes between hosts from which dispatch and combine cross in two hops (where hosts allow it; 0: always)")
       .def_property_readonly("two_hop_possible", &HostsMoe::two_hop_possible,
                              "Whether this group's hosts allow two hops (equal sizes, more than one rank each)")
+      .def_property_readonly("host_of", &HostsMoe::host_of,
+                             "Each group rank's host index where two hops are possible (else empty): what "
+                             "moe_reference's `hosts` takes")
       .def(
           "refuse",
           [](HostsMoe& h, const std::string& kind, const std::string& op, const std::string& reason) {
@@ -54,9 +57,11 @@ void bind_hosts_moe(py::module& m) {
             py::dict d;
             d["two_hop_dispatches"] = h.two_hop_dispatches();
             d["direct_dispatches"] = h.direct_dispatches();
+            d["two_hop_combines"] = h.two_hop_combines();
+            d["direct_combines"] = h.direct_combines();
             return d;
           },
-          "Dispatches so far by path (nothing is staged across hosts)");
+          "Dispatches and combines so far by path (nothing is staged across hosts)");
   cam::python::def_moe_ops(
       cls,
       [](HostsMoe& h, cam::MoeDispatchArgs a, std::chrono::milliseconds) {
