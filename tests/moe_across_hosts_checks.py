@@ -141,23 +141,35 @@ def _check_bad_plan(rank: int, world: int, moe) -> list[str]:
     return bad
 
 
-def check_moe_dead_peer(rank: int, world: int, timeout_s: float) -> tuple:
-    """The last rank dies before a dispatch: every other rank raises within the timeout.
-    Returns ("raised" | "returned", seconds, message)."""
+def check_moe_dead_peer(rank: int, world: int, timeout_s: float, op: str = "dispatch") -> tuple:
+    """The last rank dies before a dispatch (op "dispatch"), or after one and before its combine
+    in two hops (op "combine", on hosts of equal size): every other rank raises within the
+    timeout. Returns ("raised" | "returned", seconds, message)."""
     import torch_cam
 
     W, M = world, 2 * world
     x = torch.randn(4, 16)
     ids = torch.stack([torch.randperm(M)[:2] for _ in range(4)]).to(torch.int32)
+    if op == "combine":
+        moe = torch_cam.moe_hosts.moe_backend(dist.group.WORLD)
+        assert moe.two_hop_possible
+        moe.two_hop_min_bytes = 0
     out = torch_cam.moe_distribute_dispatch(x, ids, dist.group.WORLD, W, rank, M)  # one that works
     assert out[0].shape[1] == 16
+    expand_x, _, expand_idx, _, counts = out[:5]
+    if op == "combine":
+        torch_cam.moe_distribute_combine(expand_x, ids, expand_idx, counts, None, dist.group.WORLD, W, rank, M)
+        assert moe.stats()["two_hop_combines"] == 1
     dist.barrier()
     if rank == W - 1:
         os._exit(0)  # exit 0: torchrun must not stop this host's other ranks before they see it
     start = time.monotonic()
     try:
         for _ in range(100):
-            torch_cam.moe_distribute_dispatch(x, ids, dist.group.WORLD, W, rank, M)
+            if op == "combine":
+                torch_cam.moe_distribute_combine(expand_x, ids, expand_idx, counts, None, dist.group.WORLD, W, rank, M)
+            else:
+                torch_cam.moe_distribute_dispatch(x, ids, dist.group.WORLD, W, rank, M)
     except RuntimeError as e:
         took = time.monotonic() - start
         return ("raised" if took < timeout_s else "late", took, str(e))

@@ -208,9 +208,13 @@ def _moe(rank, world, init_file, hosts):
         dist.destroy_process_group()
 
 
-def _moe_dead_peer(rank, world, init_file, hosts):
+def _moe_dead_peer(rank, world, init_file, hosts, op="dispatch"):
     _init(rank, world, init_file, hosts, timeout_s=20)
-    return check_moe_dead_peer(rank, world, timeout_s=20)
+    return check_moe_dead_peer(rank, world, timeout_s=20, op=op)
+
+
+def _moe_dead_peer_in_combine(rank, world, init_file, hosts):
+    return _moe_dead_peer(rank, world, init_file, hosts, op="combine")
 
 
 def _kv_dead_peer(rank, world, init_file, hosts):
@@ -438,6 +442,9 @@ class _HierarchicalCases:
 
     def test_moe_dead_rank_raises_on_every_host(self):
         self.check_dead_rank(_moe_dead_peer, 3, r"cam moe_dispatch on rank %d")
+
+    def test_moe_dead_rank_in_two_hop_combine_raises_on_every_host(self):
+        self.check_dead_rank(_moe_dead_peer_in_combine, 3, r"cam moe_combine on rank %d")
 
     def test_dead_rank_raises_on_every_host(self):
         before = set(cam_segments())
