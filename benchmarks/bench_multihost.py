@@ -18,9 +18,12 @@ rank 0 (host 0) pushes a request of that many bytes (64 KiB blocks, one layer, t
 on both sides) into rank 2 (host 1) until rank 2 has its notification, and rank 2 pulls one
 from rank 0; beside cam's send/recv and gloo's of the same bytes between the same ranks.
 MoE: one dispatch + combine of that many bytes of bf16 token rows per rank (rows of 1 KiB,
-top-4 of 16 experts, 4 per rank, identity experts) by torch_cam.moe_distribute_dispatch /
-combine, against the usual all-to-all token dispatcher of bench_moe.py over flat gloo and
-over cam's all_to_all_single; the outputs are checked against each other before timing.
+top-4 (--moe-topk) of 16 experts, 4 per rank, identity experts) by
+torch_cam.moe_distribute_dispatch / combine, against the usual all-to-all token dispatcher of
+bench_moe.py over flat gloo and over cam's all_to_all_single; the outputs are checked against
+each other before timing. The combine is also timed alone, as chosen and with every row sent
+straight to its owner (at top-8 a token has ~4 rows on the other host, which two hops send as
+one partial sum).
 Weights: a model of that many bytes (8 fp32 tensors) trained TP 2 on host 0's ranks, taken whole
 by a replica on each rank of host 1 (WeightChannel publish / update: every byte crosses the link
 once per replica), against gloo broadcasts of each trainer shard from its owner to every rank.
@@ -235,14 +238,14 @@ def kv_rows(rank: int, gloo, args) -> list[dict]:
     return rows
 
 
-MOE_HIDDEN, MOE_TOPK, MOE_EXPERTS = 512, 4, 16
+MOE_HIDDEN, MOE_EXPERTS = 512, 16
 
 
-def moe_link_bytes(nbytes: int) -> float:
+def moe_link_bytes(nbytes: int, topk: int) -> float:
     """Inter-host bytes per direction of one dispatch + combine: every token row goes to top-K
     experts, (W-L)/W of them on the other host, and comes back weighted."""
     w = HOSTS * PER_HOST
-    return 2 * PER_HOST * nbytes * MOE_TOPK * (w - PER_HOST) / w
+    return 2 * PER_HOST * nbytes * topk * (w - PER_HOST) / w
 
 
 def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
@@ -258,7 +261,7 @@ def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
         T = max(1, nbytes // (2 * MOE_HIDDEN))
         g = torch.Generator().manual_seed(1000 * rank + T)
         x = torch.randn(T, MOE_HIDDEN, generator=g).to(torch.bfloat16)
-        top, ids = torch.randn(T, MOE_EXPERTS, generator=g).topk(MOE_TOPK, dim=1)
+        top, ids = torch.randn(T, MOE_EXPERTS, generator=g).topk(args.moe_topk, dim=1)
         ids, w = ids.to(torch.int32).contiguous(), torch.softmax(top, dim=1).contiguous()
 
         def cam():
@@ -277,13 +280,23 @@ def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
                  for f in (cam, lambda: a2a(gloo), lambda: a2a(None)))
         if not all_ok(ok, gloo):
             raise RuntimeError(f"bench_multihost: MoE outputs disagree at {nbytes} bytes per rank")
-        row = {"op": "moe", "bytes": T * 2 * MOE_HIDDEN, "cam_s": timed_slowest(cam, gloo, args.samples),
+        expand_x, _, expand_idx, _, counts, _, _ = torch_cam.moe_distribute_dispatch(
+            x, ids, dist.group.WORLD, world, rank, MOE_EXPERTS, expert_scales=w)
+
+        def combine():
+            return torch_cam.moe_distribute_combine(expand_x, ids, expand_idx, counts, w, dist.group.WORLD,
+                                                    world, rank, MOE_EXPERTS)
+
+        row = {"op": "moe", "bytes": T * 2 * MOE_HIDDEN, "topk": args.moe_topk,
+               "cam_s": timed_slowest(cam, gloo, args.samples),
                "gloo_s": timed_slowest(lambda: a2a(gloo), gloo, args.samples),
-               "a2a_cam_s": timed_slowest(lambda: a2a(None), gloo, args.samples)}
-        # The same with every dispatch row sent straight to its receiver (no two hops).
+               "a2a_cam_s": timed_slowest(lambda: a2a(None), gloo, args.samples),
+               "combine_s": timed_slowest(combine, gloo, args.samples)}
+        # The same with every row sent straight to its receiver (no two hops).
         moe = torch_cam.moe_hosts.moe_backend(dist.group.WORLD)
         auto, moe.two_hop_min_bytes = moe.two_hop_min_bytes, 1 << 62
         row["direct_s"] = timed_slowest(cam, gloo, args.samples)
+        row["combine_direct_s"] = timed_slowest(combine, gloo, args.samples)
         moe.two_hop_min_bytes = auto
         rows.append(row)
     return rows
@@ -385,7 +398,8 @@ def run_one(rate: str, args) -> dict:
     if rate != "none":
         cmd += ["--rate", rate]
     cmd += [str(HOSTS), str(PER_HOST), "--", os.path.abspath(__file__), "--worker", "--out", out,
-            "--samples", str(args.samples), "--sizes", ",".join(str(s) for s in args.sizes)]
+            "--samples", str(args.samples), "--sizes", ",".join(str(s) for s in args.sizes),
+            "--moe-topk", str(args.moe_topk)]
     env = dict(os.environ, MULTIHOST_PYTHON=sys.executable, OMP_NUM_THREADS="1")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
@@ -441,20 +455,22 @@ def table(rate: str, res: dict) -> list[str]:
                          f"{r['gloo_s'] / r['send_s']:.2f}x | {bw / 1e9:.3f} | {bw / stream:.0%} |")
     moe = [r for r in res["rows"] if r["op"] == "moe"]
     if moe:
-        lines += ["", f"MoE dispatch + combine (bf16 rows of {MOE_HIDDEN * 2} B, top-{MOE_TOPK} of {MOE_EXPERTS} "
+        lines += ["", f"MoE dispatch + combine (bf16 rows of {MOE_HIDDEN * 2} B, top-{moe[0]['topk']} of {MOE_EXPERTS} "
                   "experts), against the all-to-all token dispatcher over flat gloo and over cam's all_to_all_single; "
-                  "\"cam direct\": every dispatch row straight to its receiver (cam takes two hops from "
-                  "1 MiB of rows between hosts):",
+                  "\"direct\": every row straight to its receiver (cam takes two hops from 1 MiB of rows between "
+                  "hosts, and combine only where its partial sums cross fewer bytes); combine also alone; link: "
+                  "the bytes of every row crossing on its own (two hops carry fewer, so it can pass the stream):",
                   "",
                   "| rows per rank | cam ms | cam direct ms | a2a over gloo ms | a2a over cam ms | gloo / cam | "
-                  "a2a over cam / cam | direct / cam | cam link GB/s | of raw stream |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "a2a over cam / cam | direct / cam | combine ms | combine direct ms | cam link GB/s | of raw stream |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in moe:
-            link = moe_link_bytes(r["bytes"]) / r["cam_s"]
+            link = moe_link_bytes(r["bytes"], r["topk"]) / r["cam_s"]
             direct = r.get("direct_s", float("nan"))
             lines.append(f"| {human(r['bytes'])} | {r['cam_s'] * 1e3:.3f} | {direct * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | "
                          f"{r['a2a_cam_s'] * 1e3:.3f} | {r['gloo_s'] / r['cam_s']:.2f}x | "
-                         f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {direct / r['cam_s']:.2f}x | {link / 1e9:.3f} | "
+                         f"{r['a2a_cam_s'] / r['cam_s']:.2f}x | {direct / r['cam_s']:.2f}x | "
+                         f"{r['combine_s'] * 1e3:.3f} | {r['combine_direct_s'] * 1e3:.3f} | {link / 1e9:.3f} | "
                          f"{link / stream:.0%} |")
     weights = [r for r in res["rows"] if r["op"] == "weights"]
     if weights:
@@ -496,6 +512,7 @@ def main() -> None:
     p.add_argument("--rates", default="none,1gbit", help="link shapings, comma-separated (none = unshaped)")
     p.add_argument("--sizes", default="1K,64K,1M,16M", help="bytes per rank, comma-separated (K/M suffixes)")
     p.add_argument("--samples", type=int, default=5)
+    p.add_argument("--moe-topk", type=int, default=4, help="experts per token of the MoE rows (of 16)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per shaping")
     p.add_argument("--write", action="store_true", help="also write benchmarks/results_multihost.md")
     args = p.parse_args()
