@@ -917,9 +917,13 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
         const int s = rail_peer(h, lm);
         const int64_t tokens = c.tokens(s, hm);
         const uint8_t* e = block + 4 * tokens;
+        int64_t left = c.entries(s, hm);  // what rank s said it sends: no count may read past it
         for (int64_t t = 0; t < tokens; ++t) {
           int32_t count;
           std::memcpy(&count, block + 4 * t, 4);
+          TORCH_CHECK(count > 0 && count <= left, "rank ", s, " sent ", count, " plan entries for its token ", t,
+                      " on this host, with ", left, " of its ", c.entries(s, hm), " left");
+          left -= count;
           for (int32_t k = 0; k < count; ++k, e += 16) {
             Entry x;
             std::memcpy(&x, e, 16);
