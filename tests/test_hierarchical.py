@@ -427,6 +427,10 @@ class _HierarchicalCases:
     def test_moe_three_hosts_of_one(self):
         self._run([0, 1, 2], _moe)
 
+    def test_moe_two_hosts_interleaved(self):
+        # Hosts whose ranks are not contiguous: rail peers and local indices are not rank // 2, rank % 2.
+        self._run([0, 1, 1, 0], _moe)
+
     def check_dead_rank(self, fn, dead, expect):
         """fn on 2 x 2, where rank `dead` vanishes: every other rank raised in time with a message
         matching expect % rank, and nothing is left in /dev/shm."""

@@ -836,8 +836,8 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
     uint8_t* o = send_a.data_ptr<uint8_t>();
     for (int h = 0; h < hosts; ++h) {
       if (h == hm) continue;
-      int32_t* counts = reinterpret_cast<int32_t*>(o);
-      Entry* entries = reinterpret_cast<Entry*>(o + 4 * c.tokens(me, h));
+      uint8_t* counts = o;
+      uint8_t* entries = o + 4 * c.tokens(me, h);  // 16-byte entries, 4-byte aligned
       int64_t tokens = 0, n = 0;
       for (int64_t t = 0; t < c.T; ++t) {
         int32_t here = 0;
@@ -848,10 +848,10 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
           Entry e{-1, 0, 0, 0.f};
           if (c.good[size_t(i)])
             e = {int32_t(m.local_of[size_t(p)]), c.seg[i], int32_t(c.off[i]), c.weight ? c.weight[i] : 1.f};
-          std::memcpy(&entries[n++], &e, sizeof e);  // unaligned when the counts are odd
+          std::memcpy(entries + 16 * n++, &e, sizeof e);
           ++here;
         }
-        if (here > 0) std::memcpy(&counts[tokens++], &here, 4);
+        if (here > 0) std::memcpy(counts + 4 * tokens++, &here, 4);
       }
       TORCH_CHECK(tokens == c.tokens(me, h) && n == c.entries(me, h), "counted ", c.tokens(me, h), " tokens and ",
                   c.entries(me, h), " entries for host ", h, ", packed ", tokens, " and ", n);
