@@ -267,6 +267,17 @@ def _split_mismatch(rank, world, init_file, hosts, hops="direct"):
         dist.destroy_process_group()
 
 
+def _dtype_differs_between_hosts(rank, world, init_file, hosts):
+    """Host 1's ranks all_reduce int32 where host 0's reduce float32 of the same bytes: inside a
+    host the ranks agree, so only the hosts' leaders can see it; every rank raises."""
+    _init(rank, world, init_file, hosts, timeout_s=60)
+    try:
+        t = torch.ones(8, dtype=torch.int32 if rank >= 2 else torch.float32)
+        return _timed_raise(lambda: dist.all_reduce(t))
+    finally:
+        dist.destroy_process_group()
+
+
 def _frozen(rank, world, init_file, hosts):
     """Rank 3 (host 1) stops (SIGSTOP: alive, silent): every other rank raises at the group's
     deadline, not later, naming the timeout."""
@@ -399,6 +410,19 @@ class _HierarchicalCases:
             self.assertIn("all_to_all", msg)
             self.assertEqual(then[0], "raised", f"rank {r}: the group stayed usable after the failure")
         self.assertIn("rank 0 sends 4 bytes, this rank expects 8", results[3][1][0][2])
+
+    def test_hosts_passing_another_dtype_raise_on_every_host(self):
+        if self.ENGINE == "gloo":
+            self.skipTest("gloo moves the bytes without comparing dtypes (docs/multihost.md)")
+        results = self.run_ranks(_dtype_differs_between_hosts, 4, [0, 0, 1, 1], deadline_s=120)
+        assert_all_ok(self, results)
+        for r, (_, (how, took, msg)) in sorted(results.items()):
+            self.assertEqual(how, "raised", f"rank {r}")
+            self.assertLess(took, 10.0, f"rank {r} took {took:.1f} s: {msg}")
+        leaders = [results[r][1][2] for r in (0, 2)]
+        self.assertTrue(any("passes Int tensors reduced with SUM, this rank Float tensors" in m for m in leaders) and
+                        any("passes Float tensors reduced with SUM, this rank Int tensors" in m for m in leaders),
+                        leaders)
 
     def test_ranks_ask_for_different_all_to_all_paths(self):
         results = self.run_ranks(_option_differs, 4, [0, 0, 1, 1], "all_to_all_hops", "two_hops", deadline_s=120)

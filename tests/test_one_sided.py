@@ -54,6 +54,12 @@ def reduce_opts(op, root=None):
     return o
 
 
+def bcast_opts(root):
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    return o
+
+
 def inputs(rank, n, dtype):
     g = torch.Generator().manual_seed(1000 + rank)
     if dtype.is_floating_point:
@@ -141,6 +147,33 @@ class OneSidedAlgorithmsTest(unittest.TestCase):
                 self.assertIsNotNone(errors[r], f"{fn.__name__}: rank {r} returned")
                 self.assertLess(took[r], TIMEOUT_S + 2, f"{fn.__name__}: rank {r} took {took[r]:.1f} s")
             self.assertTrue(any(culprit in e for e in errors), errors)
+
+    def test_same_bytes_of_another_dtype_or_reduction_fail_every_rank(self):
+        # Inputs of equal bytes but another dtype, or another reduction, would be read as this
+        # rank's own: the descriptors name both, and every rank raises in that op (eager blocks,
+        # blocks put, and an exchange that keeps done).
+        int32_on_2 = lambda r, n: torch.ones(n, dtype=torch.int32 if r == 2 else torch.float32)  # noqa: E731
+        cases = {
+            "all_reduce dtype": (lambda r, b: b.allreduce([int32_on_2(r, 3)], reduce_opts(dist.ReduceOp.SUM)).wait(),
+                                 "rank 2 passes Int tensors reduced with SUM, this rank Float tensors reduced with SUM"),
+            "all_reduce op": (lambda r, b: b.allreduce([torch.ones(3)], reduce_opts(
+                dist.ReduceOp.MAX if r == 1 else dist.ReduceOp.SUM)).wait(),
+                              "rank 1 passes Float tensors reduced with MAX, this rank Float tensors reduced with SUM"),
+            "large all_reduce dtype": (lambda r, b: b.allreduce([int32_on_2(r, 20011)],
+                                                                reduce_opts(dist.ReduceOp.SUM)).wait(),
+                                       "rank 2 passes Int tensors reduced with SUM"),
+            "all_gather dtype": (lambda r, b: b._allgather_base(torch.empty(9, dtype=int32_on_2(r, 1).dtype),
+                                                                int32_on_2(r, 3), AllgatherOptions()).wait(),
+                                 "rank 2 passes Int tensors, this rank Float tensors"),
+            "broadcast dtype": (lambda r, b: b.broadcast([int32_on_2(r, 3)], bcast_opts(0)).wait(),
+                                "passes Int tensors"),
+        }
+        for name, (fn, culprit) in cases.items():
+            _, errors, took = run_threads(3, lambda r, b, _: fn(r, b))
+            for r in range(3):
+                self.assertIsNotNone(errors[r], f"{name}: rank {r} returned")
+                self.assertLess(took[r], TIMEOUT_S + 2, f"{name}: rank {r} took {took[r]:.1f} s")
+            self.assertTrue(any(culprit in e for e in errors), (name, errors))
 
     def test_all_gather_and_reduce_scatter(self):
         # 3 elements per rank: eager blocks; 20011: read with get. reduce_scatter's block r is

@@ -25,12 +25,28 @@ struct Descriptor {
   uint32_t key_bytes;   // the packed key's length (after the inline bytes)
   uint32_t partners;    // how many partners this rank has in the exchange
   uint32_t uniform;     // 1: every rank is this rank's partner, with blocks of one size both ways
+  uint32_t kind;        // what the blocks hold (block_kind; 0: not compared)
+  uint32_t reserved;
 };
 constexpr uint64_t kAbsent = ~uint64_t(0);
 static_assert(sizeof(Descriptor) + OneSidedBackend::kEagerBytes + 1024 <= OneSidedTransport::kSlotBytes,
               "a slot holds an inline block and a packed key of up to 1 KiB");
 
 std::string bytes_text(uint64_t bytes) { return bytes == kAbsent ? std::string("nothing") : str(bytes, " bytes"); }
+
+// What an op's blocks hold: their dtype and, for a reduction, its operator. Partners compare it
+// as they compare sizes, so ranks whose tensors hold the same bytes as another dtype (or reduce
+// with another operator) fail instead of reading each other's bytes as their own.
+uint32_t block_kind(c10::ScalarType dtype, int red = -1) { return 1 + uint32_t(dtype) + (uint32_t(red + 1) << 8); }
+
+std::string kind_text(uint32_t kind) {
+  if (kind == 0) return "blocks of no stated kind";
+  const auto dtype = c10::ScalarType((kind - 1) & 0xff);
+  const int red = int(kind >> 8) - 1;
+  std::string out = str(c10::toString(dtype), " tensors");
+  if (red >= 0) out += str(" reduced with ", kernels::red_op_name(kernels::RedOp(red)));
+  return out;
+}
 
 void check_dense(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), what, ": the inter-host engine takes contiguous CPU tensors");
@@ -66,8 +82,8 @@ int OneSidedBackend::root_of(int64_t root, const char* op) const {
 
 std::string OneSidedBackend::op_name(const char* op) const { return str("cam ", t_->name(), " ", op, " (seq ", seq_, ")"); }
 
-void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>& sends,
-                               const std::vector<Block>& recvs) {
+void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>& sends, const std::vector<Block>& recvs,
+                               uint32_t kind) {
   const int me = rank_;
   const uint64_t seq = seq_;
   const auto eager = [](const Block& b) { return b.bytes <= kEagerBytes; };
@@ -99,7 +115,9 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
                        inline_data,
                        uint32_t(key),
                        uint32_t(partners),
-                       uniform};
+                       uniform,
+                       kind,
+                       0};
     std::memcpy(desc.data(), &d, sizeof d);
     if (data) std::memcpy(desc.data() + sizeof d, sends[p].ptr, data);
     if (key) std::memcpy(desc.data() + sizeof d + data, regions[p]->packed_key().data(), key);
@@ -141,6 +159,8 @@ void OneSidedBackend::exchange(const std::string& what, const std::vector<Block>
                                " (the ranks issued different collectives)"));
           const uint64_t expect = recvs[p].present ? recvs[p].bytes : kAbsent;
           const uint64_t mine = sends[p].present ? sends[p].bytes : kAbsent;
+          if (d.kind != kind)
+            t_->raise(what, str("rank ", p, " passes ", kind_text(d.kind), ", this rank ", kind_text(kind)));
           if (d.send_bytes != expect)
             t_->raise(what, str("rank ", p, " sends ", bytes_text(d.send_bytes), ", this rank expects ",
                                bytes_text(expect)));
@@ -204,7 +224,7 @@ void OneSidedBackend::reduce_blocks(const std::string& what, const at::Tensor& i
     recvs[p] = Block{true, parts[p].data_ptr(), size_t(mine) * es};
     srcs[p] = p == rank_ ? static_cast<const void*>(base + off[rank_] * es) : parts[p].data_ptr();
   }
-  exchange(what, sends, recvs);
+  exchange(what, sends, recvs, block_kind(in.scalar_type(), int(red)));
   if (mine > 0) kernels::reduce(in.scalar_type(), red, out, srcs.data(), size_, mine, size_);
 }
 
@@ -224,7 +244,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
       recvs[p] = Block{true, all[p].data_ptr(), t.nbytes()};
       srcs[p] = p == rank_ ? static_cast<const void*>(base) : all[p].data_ptr();
     }
-    exchange(what, sends, recvs);
+    exchange(what, sends, recvs, block_kind(t.scalar_type(), int(red)));
     kernels::reduce(t.scalar_type(), red, base, srcs.data(), size_, n, size_);
     return;
   }
@@ -239,7 +259,7 @@ void OneSidedBackend::allreduce_one(const at::Tensor& t, const c10d::ReduceOp& o
     sends[p] = Block{true, base + off[rank_] * es, mine};
     recvs[p] = Block{true, base + off[p] * es, size_t(off[p + 1] - off[p]) * es};
   }
-  exchange(what + " all-gather", sends, recvs);
+  exchange(what + " all-gather", sends, recvs, block_kind(t.scalar_type(), int(red)));
 }
 
 c10::intrusive_ptr<c10d::Work> OneSidedBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -272,7 +292,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::reduce(std::vector<at::Tensor>& 
   } else {
     sends[root] = Block{true, t.data_ptr(), t.nbytes()};
   }
-  exchange(what, sends, recvs);
+  exchange(what, sends, recvs, block_kind(t.scalar_type(), int(red)));
   if (rank_ == root) kernels::reduce(t.scalar_type(), red, t.data_ptr(), srcs.data(), size_, t.numel(), size_);
   return done_work(rank_, c10d::OpType::REDUCE, tensors);
 }
@@ -288,7 +308,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::broadcast(std::vector<at::Tensor
       if (rank_ == root) sends[p] = Block{true, t.data_ptr(), t.nbytes()};
     }
     if (rank_ != root) recvs[root] = Block{true, t.data_ptr(), t.nbytes()};
-    exchange(op_name("broadcast"), sends, recvs);
+    exchange(op_name("broadcast"), sends, recvs, block_kind(t.scalar_type()));
   }
   return done_work(rank_, c10d::OpType::BROADCAST, tensors);
 }
@@ -323,7 +343,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::alltoall_base(at::Tensor& output
   const std::string what = op_name("all_to_all");
   TORCH_CHECK(sends[rank_].bytes == recvs[rank_].bytes, what, ": this rank sends itself ", sends[rank_].bytes,
               " bytes and expects ", recvs[rank_].bytes);
-  exchange(what, sends, recvs);
+  exchange(what, sends, recvs, block_kind(input.scalar_type()));
   if (sends[rank_].bytes) std::memcpy(recvs[rank_].ptr, sends[rank_].ptr, sends[rank_].bytes);
   return done_work(rank_, c10d::OpType::ALLTOALL_BASE, {output});
 }
@@ -364,7 +384,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::_allgather_base(at::Tensor& outp
   char* out = static_cast<char*>(output.data_ptr());
   std::vector<Block> sends(size_, Block{true, input.data_ptr(), input.nbytes()}), recvs(size_);
   for (int p = 0; p < size_; ++p) recvs[p] = Block{true, out + size_t(p) * input.nbytes(), input.nbytes()};
-  exchange(what, sends, recvs);
+  exchange(what, sends, recvs, block_kind(input.scalar_type()));
   // An input that already is this rank's row of the output (an in-place all_gather) stays.
   if (input.nbytes() && recvs[rank_].ptr != input.data_ptr())
     std::memcpy(recvs[rank_].ptr, input.data_ptr(), input.nbytes());
@@ -405,7 +425,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::gather(std::vector<std::vector<a
   } else {
     sends[root] = Block{true, in.data_ptr(), in.nbytes()};
   }
-  exchange(op_name("gather"), sends, recvs);
+  exchange(op_name("gather"), sends, recvs, block_kind(in.scalar_type()));
   if (rank_ == root) {
     dense[rank_].copy_(in.view_as(dense[rank_]));
     for (int p = 0; p < size_; ++p)
@@ -438,7 +458,7 @@ c10::intrusive_ptr<c10d::Work> OneSidedBackend::scatter(std::vector<at::Tensor>&
   } else {
     recvs[root] = Block{true, out.data_ptr(), out.nbytes()};
   }
-  exchange(op_name("scatter"), sends, recvs);
+  exchange(op_name("scatter"), sends, recvs, block_kind(out.scalar_type()));
   if (rank_ == root) out.copy_(inputs[0][rank_].view_as(out));
   if (!out.is_same(outputs[0])) outputs[0].copy_(out);
   return done_work(rank_, c10d::OpType::SCATTER, outputs);

@@ -5,10 +5,10 @@
 //
 // Every collective is built on one exchange between partners (ranks that send each other a block
 // in either direction): each rank posts each partner a descriptor (the size of the block it
-// sends, the size it expects back, and where in its registered memory that block goes; blocks up
-// to kEagerBytes travel inside the descriptor: one message, no registration), checks the
-// partner's against its own view (so both sides name a mismatch), puts a larger block straight
-// into the partner's output (one copy, no staging); once every partner's descriptor has passed it
+// sends, the size it expects back, the blocks' dtype and reduction, and where in its registered
+// memory that block goes; blocks up to kEagerBytes travel inside the descriptor: one message, no
+// registration), checks the partner's against its own view (so both sides name a mismatch),
+// puts a larger block straight into the partner's output (one copy, no staging); once every partner's descriptor has passed it
 // adds one to each partner's done counter, ordered after its puts; an exchange ends when every
 // partner is done (so a mismatch anywhere fails every rank of the exchange). Where no block is
 // put and every rank sees every mismatch anyway (two ranks alone; a uniform exchange: everyone's
@@ -87,7 +87,10 @@ class OneSidedBackend : public c10d::Backend {
     void* ptr = nullptr;
     size_t bytes = 0;
   };
-  void exchange(const std::string& what, const std::vector<Block>& sends, const std::vector<Block>& recvs);
+  // `kind`: what the blocks hold (their dtype, and a reduction's operator), compared between
+  // partners like the sizes; 0: not compared (barrier).
+  void exchange(const std::string& what, const std::vector<Block>& sends, const std::vector<Block>& recvs,
+                uint32_t kind = 0);
   void allreduce_one(const at::Tensor& t, const c10d::ReduceOp& op);
   // Rank p reduces, in rank order, block p (elements off[p] .. off[p + 1]) of every rank's `in`
   // into `out`, which holds this rank's block's elements and may be that block itself.
