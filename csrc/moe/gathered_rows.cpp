@@ -97,42 +97,33 @@ void weighted_sum_rows(const at::Tensor& rows, const at::Tensor& scales, const a
   const int64_t row_bytes = H * int64_t(rows.element_size());
   const float* sc = int8 ? scales.data_ptr<float>() : nullptr;
   const float* w = weights.defined() ? weights.data_ptr<float>() : nullptr;
-  std::vector<RowTerm> terms;
-  terms.reserve(size_t(T * P));
-  std::vector<int64_t> first(size_t(T) + 1, 0);
+  RowTerms terms;
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t s = 0; s < P; ++s) {
       const int64_t r = idx[t * P + s];
-      if (r >= 0) terms.push_back({base + r * row_bytes, dtype, w ? w[t * P + s] : 1.f, sc ? sc[r] : 1.f});
+      if (r >= 0) terms.add(base + r * row_bytes, dtype, w ? w[t * P + s] : 1.f, sc ? sc[r] : 1.f);
     }
-    first[size_t(t) + 1] = int64_t(terms.size());
+    terms.end_token();
   }
-  sum_row_terms(terms, first, add, add_first, out);
+  sum_row_terms(terms, add, add_first, out);
 }
 
-void sum_row_terms(const std::vector<RowTerm>& terms, const std::vector<int64_t>& first, const at::Tensor& add,
-                   bool add_first, at::Tensor& out) {
+void sum_row_terms(const RowTerms& terms, const at::Tensor& add, bool add_first, at::Tensor& out) {
   need_rows(out, "the output");
   const int64_t T = out.size(0), H = out.size(1);
   const auto out_dtype = out.scalar_type(), add_dtype = add.defined() ? add.scalar_type() : out_dtype;
-  TORCH_CHECK(int64_t(first.size()) == T + 1 && first.back() == int64_t(terms.size()), "cam moe: ", T,
-              " tokens need ", T + 1, " term bounds ending at ", terms.size());
+  TORCH_CHECK(terms.tokens() == T && terms.first.back() == int64_t(terms.rows.size()), "cam moe: ", T,
+              " output rows for the terms of ", terms.tokens(), " tokens");
   TORCH_CHECK(!add.defined() || (add.is_contiguous() && add.sizes() == out.sizes()),
               "cam moe: the added rows must have the output's shape");
   const char* a = add.defined() ? static_cast<const char*>(add.data_ptr()) : nullptr;
   const int64_t add_row = H * int64_t(c10::elementSize(add_dtype));
   const int64_t out_row = H * int64_t(c10::elementSize(out_dtype));
   char* o = static_cast<char*>(out.data_ptr());
-  std::vector<const void*> srcs;
-  std::vector<c10::ScalarType> dtypes;
-  std::vector<float> ws, ss;
   for (int64_t t = 0; t < T; ++t) {
-    srcs.clear(), dtypes.clear(), ws.clear(), ss.clear();
-    for (int64_t i = first[size_t(t)]; i < first[size_t(t) + 1]; ++i) {
-      const RowTerm& r = terms[size_t(i)];
-      srcs.push_back(r.row), dtypes.push_back(r.dtype), ws.push_back(r.weight), ss.push_back(r.scale);
-    }
-    const kernels::WeightedRows src{srcs.data(), dtypes.data(), ws.data(), ss.data(), int(srcs.size())};
+    const size_t f = size_t(terms.first[size_t(t)]);
+    const kernels::WeightedRows src{terms.rows.data() + f, terms.dtypes.data() + f, terms.weights.data() + f,
+                                    terms.scales.data() + f, int(terms.first[size_t(t) + 1] - terms.first[size_t(t)])};
     kernels::weighted_sum_row(src, add_dtype, a ? a + t * add_row : nullptr, add_first, out_dtype, o + t * out_row, H);
   }
 }

@@ -25,16 +25,23 @@ void quantize_rows(const at::Tensor& rows, const at::Tensor& smooth, const at::T
 void weighted_sum_rows(const at::Tensor& rows, const at::Tensor& scales, const at::Tensor& index,
                        const at::Tensor& weights, const at::Tensor& add, bool add_first, at::Tensor& out);
 
-// One row of a token's sum: where it lies, its dtype (kChar: int8, dequantized as q * scale)
-// and its weight.
-struct RowTerm {
-  const void* row;
-  c10::ScalarType dtype;
-  float weight, scale;
+// The rows each token's sum reads, in order, laid out as the row kernel takes them: where each
+// lies, its dtype (kChar: int8, dequantized as q * scale), weight and scale. Token t's are
+// [first[t], first[t + 1]).
+struct RowTerms {
+  std::vector<const void*> rows;
+  std::vector<c10::ScalarType> dtypes;
+  std::vector<float> weights, scales;
+  std::vector<int64_t> first{0};
+
+  void add(const void* row, c10::ScalarType dtype, float weight, float scale) {
+    rows.push_back(row), dtypes.push_back(dtype), weights.push_back(weight), scales.push_back(scale);
+  }
+  void end_token() { first.push_back(int64_t(rows.size())); }
+  int64_t tokens() const { return int64_t(first.size()) - 1; }
 };
-// out[t] = the sum of terms[first[t] .. first[t + 1]) in order, each weighted, with `add` as in
+// out[t] = the sum of token t's terms in order, each weighted, with `add` as in
 // weighted_sum_rows (H = out.size(1); every term's row holds H elements).
-void sum_row_terms(const std::vector<RowTerm>& terms, const std::vector<int64_t>& first, const at::Tensor& add,
-                   bool add_first, at::Tensor& out);
+void sum_row_terms(const RowTerms& terms, const at::Tensor& add, bool add_first, at::Tensor& out);
 
 }  // namespace cam::moe

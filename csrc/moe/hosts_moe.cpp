@@ -831,8 +831,9 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
     in_a[size_t(h)] = 4 * c.tokens(me, h) + 16 * c.entries(me, h);
     out_a[size_t(h)] = 4 * c.tokens(rail_peer(h, lm), hm) + 16 * c.entries(rail_peer(h, lm), hm);
   }
-  at::Tensor send_a = at::empty({std::accumulate(in_a.begin(), in_a.end(), int64_t(0))}, at::kByte);
-  {
+  // Packed on the group's worker (as all below): a failure there fails the op on every rank.
+  auto pack_plans = [&] {
+    at::Tensor send_a = at::empty({std::accumulate(in_a.begin(), in_a.end(), int64_t(0))}, at::kByte);
     uint8_t* o = send_a.data_ptr<uint8_t>();
     for (int h = 0; h < hosts; ++h) {
       if (h == hm) continue;
@@ -857,7 +858,8 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
                   c.entries(me, h), " entries for host ", h, ", packed ", tokens, " and ", n);
       o += in_a[size_t(h)];
     }
-  }
+    return send_a;
+  };
   // Hop 2: served rows to the rank of their owner's local index; `base[l][s]`: where local rank
   // l's segment s starts among the rows that arrive here.
   std::vector<int64_t> in_b(L, 0), out_b(L, 0);
@@ -874,8 +876,8 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
   }
   for (int64_t s = 0; s < c.segments(me); ++s)
     in_b[size_t(m.local_of[size_t(c.segment(me, s)[2])])] += c.segment(me, s)[1] * c.width;
-  at::Tensor send_b = at::empty({std::accumulate(in_b.begin(), in_b.end(), int64_t(0))}, at::kByte);
-  {
+  auto pack_rows = [&] {
+    at::Tensor send_b = at::empty({std::accumulate(in_b.begin(), in_b.end(), int64_t(0))}, at::kByte);
     uint8_t* o = send_b.data_ptr<uint8_t>();
     const uint8_t* from = rows.data_ptr<uint8_t>();
     for (int l = 0; l < L; ++l)
@@ -885,7 +887,8 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
         std::memcpy(o, from + e[0] * c.width, size_t(e[1] * c.width));
         o += e[1] * c.width;
       }
-  }
+    return send_b;
+  };
   // Hop 3: a partial per token of each rail peer with entries on this host.
   std::vector<int64_t> in_c(hosts, 0), out_c(hosts, 0);
   for (int h = 0; h < hosts; ++h) {
@@ -896,21 +899,19 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
   at::Tensor recv_b = at::empty({arrived * c.width}, at::kByte);
   at::Tensor recv_c = at::empty({std::accumulate(out_c.begin(), out_c.end(), int64_t(0))}, at::kByte);
   const c10::ScalarType row_dtype = c.quant ? at::kChar : c.dtype;
-  // The term for a row that arrived in hop 2: local rank l's segment s, row o.
-  auto served = [&](int l, int64_t s, int64_t o, float w) {
+  // Adds the row that arrived in hop 2 from local rank l's segment s, row o, to `terms`.
+  auto add_served = [&](RowTerms& terms, int l, int64_t s, int64_t o, float w) {
     const uint8_t* row = recv_b.data_ptr<uint8_t>() + (base[size_t(l)][size_t(s)] + o) * c.width;
     float scale = 1.f;
     if (c.quant) std::memcpy(&scale, row + H, 4);
-    return RowTerm{row, row_dtype, w, scale};
+    terms.add(row, row_dtype, w, scale);
   };
   try {
-    // Packed, exchanged and summed on the group's worker: a failure anywhere fails the op on every rank.
     hier_->run("moe_combine (two hops)", [&] {
       at::Tensor recv_a = at::empty({std::accumulate(out_a.begin(), out_a.end(), int64_t(0))}, at::kByte);
-      hier_->rail_alltoall(recv_a, send_a, out_a, in_a);
-      hier_->host_alltoall(recv_b, send_b, out_b, in_b);
-      std::vector<RowTerm> terms;
-      std::vector<int64_t> first{0};
+      hier_->rail_alltoall(recv_a, pack_plans(), out_a, in_a);
+      hier_->host_alltoall(recv_b, pack_rows(), out_b, in_b);
+      RowTerms terms;
       const uint8_t* block = recv_a.data_ptr<uint8_t>();
       for (int h = 0; h < hosts; ++h) {
         if (h == hm) continue;
@@ -932,14 +933,14 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
             const int64_t* sg = p >= 0 && x.seg >= 0 && x.seg < c.segments(p) ? c.segment(p, x.seg) : nullptr;
             TORCH_CHECK(sg && sg[2] == s && x.off >= 0 && x.off < sg[1], "rank ", s, " sent a plan entry (local rank ",
                         x.local, ", segment ", x.seg, ", row ", x.off, ") that names no row of its own on this host");
-            terms.push_back(served(x.local, x.seg, x.off, x.weight));
+            add_served(terms, x.local, x.seg, x.off, x.weight);
           }
-          first.push_back(int64_t(terms.size()));
+          terms.end_token();
         }
         block += out_a[size_t(h)];
       }
-      at::Tensor sums = at::empty({int64_t(first.size()) - 1, H}, at::kFloat);
-      sum_row_terms(terms, first, at::Tensor(), false, sums);
+      at::Tensor sums = at::empty({terms.tokens(), H}, at::kFloat);
+      sum_row_terms(terms, at::Tensor(), false, sums);
       hier_->rail_alltoall(recv_c, sums.view(-1).view(at::kByte), out_c, in_c);
     });
   } catch (const std::exception& e) {
@@ -953,8 +954,7 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
     const uint8_t* p = recv_c.data_ptr<uint8_t>();
     for (int h = 0; h < hosts; ++h) partials[size_t(h)] = p, p += out_c[size_t(h)];
   }
-  std::vector<RowTerm> terms;
-  std::vector<int64_t> first{0};
+  RowTerms terms;
   std::vector<int64_t> taken(hosts, -1);  // the last token that took each host's partial
   for (int64_t t = 0; t < c.T; ++t) {
     for (int64_t s = 0; s < c.P; ++s) {
@@ -962,17 +962,17 @@ void HostsMoe::combine_two_hop(const CombinePlan& c, const MoeCombineArgs& a, co
       if (c.peer[i] < 0) continue;
       const int p = c.peer[i], h = m.host_of[size_t(p)];
       if (h == hm) {
-        terms.push_back(served(m.local_of[size_t(p)], c.seg[i], c.off[i], c.weight ? c.weight[i] : 1.f));
+        add_served(terms, m.local_of[size_t(p)], c.seg[i], c.off[i], c.weight ? c.weight[i] : 1.f);
       } else if (taken[size_t(h)] != t) {
         taken[size_t(h)] = t;
-        terms.push_back({partials[size_t(h)], at::kFloat, 1.f, 1.f});
+        terms.add(partials[size_t(h)], at::kFloat, 1.f, 1.f);
         partials[size_t(h)] += partial;
       }
     }
-    first.push_back(int64_t(terms.size()));
+    terms.end_token();
   }
   at::Tensor out = a.out;
-  sum_row_terms(terms, first, a.add, a.add_first, out);
+  sum_row_terms(terms, a.add, a.add_first, out);
 }
 
 }  // namespace cam::moe
