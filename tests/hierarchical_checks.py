@@ -140,6 +140,7 @@ def check_all(rank: int, world: int) -> list[str]:
                 dist.send(mine * 2, peer, tag=peer)
             expect(f"send/recv {rank}<->{peer} n={n}", got, everyone[peer] * 2)
     bad += _check_queued_and_unwaited(rank, world, expect)
+    bad += _check_recv_any_source(rank, world, expect)
     dist.barrier()
     import torch_cam
     torch_cam.monitored_barrier(wait_all_ranks=True)
@@ -180,6 +181,71 @@ def _check_queued_and_unwaited(rank, world, expect) -> list[str]:
         else:
             expect(f"all_reduce waited through its Future after {idle_s} s idle", x,
                    torch.full((4,), float(world * (world + 1) // 2)))
+    return bad
+
+
+def _check_recv_any_source(rank, world, expect) -> list[str]:
+    """recv from any source on rank 0, its senders on its own host (cam) and on others (UCX):
+    each message taken once, in order per sender, with its sender reported; a message of the
+    wrong size raises naming both sizes and the group stays usable. Over the gloo fallback it
+    raises at once naming UCX."""
+    bad = []
+    engine = dist.group.WORLD._get_backend(torch.device("cpu")).inter_host_engine
+    if engine != "cam-ucx":
+        if rank == 0:
+            try:
+                dist.recv(torch.empty(3), tag=5)
+                bad.append(f"recv from any source over {engine} did not raise")
+            except RuntimeError as e:
+                if "needs UCX" not in str(e):
+                    bad.append(f"recv from any source over {engine} raised: {e}")
+        dist.barrier()
+        return bad
+    senders, each = range(1, world), 10
+    if rank == 0:
+        # The first posted before anything is sent (a barrier lets the senders go); then the
+        # senders' messages, `each` per sender sent back to back, race between the engines;
+        # then 256 KiB from the last sender (UCX's rendezvous between hosts).
+        first = torch.empty(3)
+        early = dist.irecv(first, tag=5)
+        dist.barrier()
+        got = {}
+        for i in range(each * len(senders)):
+            if i == 0:
+                t = first
+                early.wait()
+                src = early._source_rank()
+            else:
+                t = torch.empty(3)
+                src = dist.recv(t, tag=5)
+            got.setdefault(src, []).append(t[2].item())
+            expect(f"recv any source #{i} from rank {src}", t[:2], torch.tensor([src, 2.0 * src]))
+        if sorted(got) != list(senders) or any(v != list(map(float, range(each))) for v in got.values()):
+            bad.append(f"recv from any source: got (sender: sequence) {got}, want {each} from each of "
+                       f"{list(senders)} in order")
+        big = torch.empty(1 << 16)
+        work = dist.irecv(big, tag=6)
+        work.wait()
+        if work._source_rank() != world - 1:
+            bad.append(f"a 256 KiB any-source recv reports rank {work._source_rank()}, sent by {world - 1}")
+        expect("256 KiB recv from any source", big, ints(1 << 16, world - 1, 950))
+        t0 = time.monotonic()
+        try:
+            dist.recv(torch.empty(4), tag=7)
+            bad.append("an any-source recv of a message shorter than its tensor did not raise")
+        except RuntimeError as e:
+            if f"rank {world - 1} sent 8 bytes, this rank expects 16" not in str(e) or time.monotonic() - t0 > 5:
+                bad.append(f"an any-source recv of a short message raised after {time.monotonic() - t0:.1f} s: {e}")
+    else:
+        dist.barrier()
+        for i in range(each):
+            dist.send(torch.tensor([rank, 2.0 * rank, float(i)]), 0, tag=5)
+        if rank == world - 1:
+            dist.send(ints(1 << 16, rank, 950), 0, tag=6)
+            dist.send(torch.ones(2), 0, tag=7)
+    t = torch.ones(2)
+    dist.all_reduce(t)  # still usable
+    expect("all_reduce after recv from any source", t, torch.full((2,), float(world)))
     return bad
 
 

@@ -245,6 +245,8 @@ def _p2p_across_hosts(rank, world, init_file, hosts):
         os._exit(1)
     if rank == 1:
         out["dead"] = _timed_raise(lambda: dist.recv(torch.empty(4), 3, tag=9))
+    if rank == 0:  # from any source: the rank lost on another host ends it too
+        out["dead_any"] = _timed_raise(lambda: dist.recv(torch.empty(4), tag=10))
     return out
 
 
@@ -543,11 +545,12 @@ class UcxHierarchicalTest(_HierarchicalCases, unittest.TestCase):
             self.assertIn(want, msg)
             self.assertIn("cam recv from rank 0", msg)
             self.assertLess(took, 5.0)
-        how, took, msg = results[1][1]["dead"]
-        self.assertEqual(how, "raised")
-        self.assertIn("rank 3", msg)
-        self.assertIn("UCX endpoint failed", msg)
-        self.assertLess(took, 10.0, msg)
+        for r, key in ((1, "dead"), (0, "dead_any")):
+            how, took, msg = results[r][1][key]
+            self.assertEqual(how, "raised", key)
+            self.assertIn("rank 3", msg)
+            self.assertIn("UCX endpoint failed", msg)
+            self.assertLess(took, 10.0, msg)
 
     def test_ranks_ask_for_different_engines(self):
         results = self.run_ranks(_option_differs, 4, [0, 0, 1, 1], "inter_host_engine", "gloo", deadline_s=120)

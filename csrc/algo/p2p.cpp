@@ -1,5 +1,6 @@
 #include "p2p.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "../../kernels/copy.hpp"
@@ -76,6 +77,13 @@ std::shared_ptr<RecvOp> P2PEngine::match_posted(int src, int tag) {
     }
   }
   return nullptr;
+}
+
+bool P2PEngine::withdraw(const RecvOp& op) {
+  auto it = std::find_if(posted_.begin(), posted_.end(), [&](const auto& r) { return r.get() == &op; });
+  if (it == posted_.end()) return false;
+  posted_.erase(it);
+  return true;
 }
 
 bool P2PEngine::needs_drain(int src) const {

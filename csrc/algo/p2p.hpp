@@ -95,6 +95,9 @@ class P2PEngine {
   void add_send(std::shared_ptr<SendOp> op);
   void post_recv(Context& ctx, std::shared_ptr<RecvOp> op, Finished& finished);
   bool progress(Context& ctx, Finished& finished);
+  // Takes back a posted recv that no message has matched yet: true when it was still posted
+  // (no message will ever bind to it), false when a message already has.
+  bool withdraw(const RecvOp& op);
   void clear();
 
  private:

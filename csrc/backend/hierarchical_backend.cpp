@@ -12,6 +12,10 @@
 #include "../core/errors.hpp"
 #include "../core/log.hpp"
 #include "one_sided_backend.hpp"
+#ifdef CAM_HAVE_UCX
+#include "any_source_recv.hpp"
+#include "ucx_p2p_backend.hpp"
+#endif
 
 namespace cam {
 namespace {
@@ -407,9 +411,22 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recv(std::vector<at::Tensor>
   return inter_.p2p->recv(tensors, src, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at::Tensor>&, int) {
-  TORCH_CHECK(false, "cam recv from any source on rank ", rank_, " of group ", group_desc_,
-              ": not supported in a group that spans hosts; name the source rank");
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const std::string where = str("cam recv from any source on rank ", rank_, " of group ", group_desc_);
+#ifdef CAM_HAVE_UCX
+  if (auto remote = c10::dynamic_intrusive_pointer_cast<UcxP2PBackend>(inter_.p2p)) {
+    TORCH_CHECK_VALUE(tensors.size() == 1, where, ": expects one tensor, got ", tensors.size());
+    c10::weak_intrusive_ptr<HierarchicalBackend> self(
+        c10::intrusive_ptr<HierarchicalBackend>::unsafe_reclaim_from_nonowning(this));
+    return c10::make_intrusive<AnySourceRecvWork>(rank_, group_desc_, tensors[0], tag, local_, map_.ranks[my_host()],
+                                                  remote, [self] {
+                                                    if (auto group = self.lock()) group->raise_published();
+                                                  });
+  }
+#endif
+  TORCH_CHECK(false, where, ": between hosts this needs UCX's tagged messages, and point-to-point between hosts runs "
+              "over ", inter_.p2p->getBackendName(), " here (inter_host_engine=gloo, or a build without UCX); name the "
+              "source rank");
 }
 
 }  // namespace cam

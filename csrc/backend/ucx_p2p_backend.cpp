@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "../core/errors.hpp"
 
@@ -11,6 +12,7 @@ namespace cam {
 namespace {
 
 uint64_t wire_tag(int sender, int tag) { return (uint64_t(uint32_t(sender)) << 32) | uint32_t(tag); }
+constexpr uint64_t kAnySender = 0xffffffffull;  // the mask that matches a tag from every sender
 
 class UcxP2PWork : public c10d::Work {
  public:
@@ -135,8 +137,8 @@ at::Tensor UcxP2PBackend::checked(std::vector<at::Tensor>& tensors, const char* 
   const auto& o = state_->ucx.options();
   TORCH_CHECK_VALUE(tensors.size() == 1, "cam ", op, " on rank ", o.rank, " of group ", o.group_desc,
                     ": expects one tensor, got ", tensors.size());
-  TORCH_CHECK_VALUE(peer >= 0 && peer < o.size && peer != o.rank, "cam ", op, " on rank ", o.rank, " of group ",
-                    o.group_desc, ": peer ", peer, " is not another rank of the group of ", o.size);
+  TORCH_CHECK_VALUE(peer == kAnySource || (peer >= 0 && peer < o.size && peer != o.rank), "cam ", op, " on rank ",
+                    o.rank, " of group ", o.group_desc, ": peer ", peer, " is not another rank of the group of ", o.size);
   const at::Tensor& t = tensors[0];
   TORCH_CHECK_VALUE(t.device().is_cpu() && t.layout() == at::kStrided, "cam ", op, " on rank ", o.rank,
                     ": expects a dense CPU tensor, got ", t.device(), " ", t.layout());
@@ -167,6 +169,54 @@ c10::intrusive_ptr<c10d::Work> UcxP2PBackend::recv(std::vector<at::Tensor>& tens
   return c10::make_intrusive<UcxP2PWork>(state_, r, t, buf, o.rank, src,
                                          str("cam recv from rank ", src, " (tag ", tag, ") on rank ", o.rank,
                                              " of group ", o.group_desc),
+                                         c10d::OpType::RECV);
+}
+
+bool UcxP2PBackend::any_arrived(int tag) {
+  uint64_t sender_tag = 0;
+  size_t length = 0;
+  return state_->ucx.inspect([&](UcxTransport& x) {
+    return x.probe_tagged(uint32_t(tag), kAnySender, false, &sender_tag, &length) != nullptr;
+  });
+}
+
+void UcxP2PBackend::await_any(int tag, std::chrono::microseconds for_at_most) {
+  uint64_t sender_tag = 0;
+  size_t length = 0;
+  state_->ucx.wait_for(
+      [&](UcxTransport& x) {
+        return x.probe_tagged(uint32_t(tag), kAnySender, false, &sender_tag, &length) != nullptr;
+      },
+      for_at_most);
+}
+
+std::string UcxP2PBackend::lost_rank() {
+  return state_->ucx.inspect([&](UcxTransport& x) {
+    for (int p = 0; p < x.options().size; ++p) {
+      const std::string why = x.peer_failure(p);
+      if (!why.empty()) return str("rank ", p, " ", why);
+    }
+    return std::string();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> UcxP2PBackend::recv_arrived(std::vector<at::Tensor>& tensors, int tag, int* src) {
+  at::Tensor t = checked(tensors, "recv", kAnySource);
+  const auto& o = state_->ucx.options();
+  state_->sweep();
+  at::Tensor buf = t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous);
+  uint64_t sender_tag = 0;
+  size_t length = 0;
+  std::optional<UcxTagged> r = state_->ucx.locked([&](UcxTransport& x) -> std::optional<UcxTagged> {
+    void* m = x.probe_tagged(uint32_t(tag), kAnySender, true, &sender_tag, &length);
+    if (m == nullptr) return std::nullopt;
+    return x.recv_taken(m, length, buf.data_ptr(), size_t(buf.nbytes()));
+  });
+  if (!r) return {};
+  *src = int(sender_tag >> 32);
+  return c10::make_intrusive<UcxP2PWork>(state_, *r, t, buf, o.rank, *src,
+                                         str("cam recv from any source (rank ", *src, " sent it; tag ", tag,
+                                             ") on rank ", o.rank, " of group ", o.group_desc),
                                          c10d::OpType::RECV);
 }
 

@@ -34,6 +34,18 @@ class UcxP2PBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "cam-ucx-p2p"; }
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  // For a receive from any source (HierarchicalBackend::recvAnysource), in two steps so that
+  // the caller can withdraw its receive on its own host in between: whether a message with
+  // `tag` from a rank of another host has arrived that no receive has matched; then receiving
+  // the earliest such into `tensors`, `*src` its sender (null when none is left: a receive
+  // posted meanwhile matched it).
+  bool any_arrived(int tag);
+  // Sleeps until such a message arrives (woken by the server's pass) or `for_at_most` passes.
+  void await_any(int tag, std::chrono::microseconds for_at_most);
+  c10::intrusive_ptr<c10d::Work> recv_arrived(std::vector<at::Tensor>& tensors, int tag, int* src);
+  // The first rank whose endpoint failed, said as "rank 3 (host) its UCX endpoint failed ...";
+  // "" while none has. A receive from any source gives up on it, as cam's does on a dead peer.
+  std::string lost_rank();
 
   // A request whose Work was dropped in flight, kept until UCX has finished with its tensor.
   struct Orphan {
@@ -49,6 +61,7 @@ class UcxP2PBackend : public c10d::Backend {
   };
 
  private:
+  static constexpr int kAnySource = -1;  // checked(): a receive from any source
   at::Tensor checked(std::vector<at::Tensor>& tensors, const char* op, int peer) const;
   std::shared_ptr<State> state_;
 };

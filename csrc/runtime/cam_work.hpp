@@ -23,6 +23,7 @@ class CamWork : public c10d::Work {
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return op_->future(); }
   uint64_t getSequencenumber() const override { return op_->seq(); }
+  const std::shared_ptr<Op>& op() const { return op_; }
 
  private:
   std::shared_ptr<Engine> engine_;

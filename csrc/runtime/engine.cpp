@@ -80,6 +80,24 @@ void Engine::fail(const std::string& why) {
   complete(finished);
 }
 
+bool Engine::withdraw_recv(const std::shared_ptr<Op>& op) {
+  TORCH_CHECK(op->family() == Op::Family::kRecv, "Engine::withdraw_recv: ", op->name(), " is not a recv");
+  Finished finished;
+  bool withdrawn = false;
+  {
+    std::lock_guard<std::mutex> lk(drive_mu_);
+    absorb_incoming(finished);  // a recv still queued is posted (or matched) first
+    if (!op->done() && p2p_.withdraw(static_cast<const RecvOp&>(*op))) {
+      op->fail(std::make_exception_ptr(ValidationError(
+          op->where(ctx_.rank) + ": withdrawn before any message matched it (another engine delivered first)")));
+      finished.push_back(op);
+      withdrawn = true;
+    }
+  }
+  complete(finished);
+  return withdrawn;
+}
+
 bool Engine::drive_and_complete() {
   Finished finished;
   bool progress = false;

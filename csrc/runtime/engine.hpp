@@ -45,6 +45,11 @@ class Engine {
   bool wait(const Op& op, std::chrono::milliseconds timeout);
   // One non-blocking progress attempt.
   void poll();
+  // Takes back a recv that no message has matched yet (a receive from any source that a
+  // message over another engine satisfied first): true when it was withdrawn (it fails,
+  // saying so, and no message will bind to it), false when a message has matched it (it
+  // completes or fails as usual).
+  bool withdraw_recv(const std::shared_ptr<Op>& op);
   // Fails the group from outside its ops (a composite whose other part failed): every pending
   // and later op fails with `why`, and the peers learn it as from any failure of this rank.
   void fail(const std::string& why);

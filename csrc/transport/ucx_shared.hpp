@@ -44,10 +44,18 @@ class SharedUcx {
     return f(*transport_);
   }
 
+  // Runs f(transport) under the lock for a look that starts nothing (a probe, an endpoint's
+  // state): the server is not woken, so a waiter that polls this costs it nothing.
+  template <class F>
+  auto inspect(F&& f) {
+    std::lock_guard<std::mutex> lk(mu_);
+    return f(*transport_);
+  }
+
   // Waits until done(transport) (called under the lock) holds or `for_at_most` passes; false
   // on the latter. Woken after every pass of the server.
   template <class F>
-  bool wait_for(F&& done, std::chrono::milliseconds for_at_most) {
+  bool wait_for(F&& done, std::chrono::microseconds for_at_most) {
     std::unique_lock<std::mutex> lk(mu_);
     return served_.wait_for(lk, for_at_most, [&] { return done(*transport_); });
   }

@@ -315,10 +315,12 @@ UcxTagged UcxTransport::send_tagged(int peer, const void* buf, size_t bytes, uin
   return t;
 }
 
-UcxTagged UcxTransport::recv_tagged(void* buf, size_t bytes, uint64_t tag, uint64_t mask) {
-  UcxTagged t{nullptr, std::make_shared<UcxTagged::Completion>()};
+namespace {
+
+// How every tagged receive completes: always through the callback (an immediate completion did
+// not report the length, UCX 1.13), which records status and length in the Completion.
+ucp_request_param_t recv_param(UcxTagged::Completion* c) {
   ucp_request_param_t rp{};
-  // Always through the callback: an immediate completion did not report the length (UCX 1.13).
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   rp.cb.recv = [](void*, ucs_status_t status, const ucp_tag_recv_info_t* got, void* user) {
     auto* c = static_cast<UcxTagged::Completion*>(user);
@@ -326,10 +328,38 @@ UcxTagged UcxTransport::recv_tagged(void* buf, size_t bytes, uint64_t tag, uint6
     c->length = got != nullptr ? got->length : 0;
     c->done = true;
   };
-  rp.user_data = t.completion.get();
+  rp.user_data = c;
+  return rp;
+}
+
+}  // namespace
+
+UcxTagged UcxTransport::recv_tagged(void* buf, size_t bytes, uint64_t tag, uint64_t mask) {
+  UcxTagged t{nullptr, std::make_shared<UcxTagged::Completion>()};
+  const ucp_request_param_t rp = recv_param(t.completion.get());
   void* r = ucp_tag_recv_nbx(worker_, buf, bytes, tag, mask, &rp);
   if (UCS_PTR_IS_ERR(r)) raise("cam UCX receive", status_text(UCS_PTR_STATUS(r)));
   t.request = r;
+  return t;
+}
+
+void* UcxTransport::probe_tagged(uint64_t tag, uint64_t mask, bool take, uint64_t* sender_tag, size_t* length) {
+  ucp_tag_recv_info_t info{};
+  ucp_tag_message_h m = ucp_tag_probe_nb(worker_, tag, mask, take ? 1 : 0, &info);
+  if (m != nullptr) *sender_tag = info.sender_tag, *length = info.length;
+  return m;
+}
+
+UcxTagged UcxTransport::recv_taken(void* message, size_t length, void* buf, size_t bytes) {
+  UcxTagged t{nullptr, std::make_shared<UcxTagged::Completion>()};
+  ucp_request_param_t rp = recv_param(t.completion.get());
+  // The probe told the length, so an immediate completion needs no callback; one that does not
+  // fit keeps the callback, which reports the truncation.
+  if (length <= bytes) rp.op_attr_mask &= ~uint32_t(UCP_OP_ATTR_FLAG_NO_IMM_CMPL);
+  void* r = ucp_tag_msg_recv_nbx(worker_, buf, bytes, static_cast<ucp_tag_message_h>(message), &rp);
+  if (UCS_PTR_IS_ERR(r)) raise("cam UCX receive", status_text(UCS_PTR_STATUS(r)));
+  t.request = r;
+  if (r == nullptr) *t.completion = {true, int(UCS_OK), length};  // completed when issued
   return t;
 }
 

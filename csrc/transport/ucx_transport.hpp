@@ -140,6 +140,14 @@ class UcxTransport : public OneSidedTransport {
   // sender and tag; non-blocking. The buffer must stay valid until the request is done.
   UcxTagged send_tagged(int peer, const void* buf, size_t bytes, uint64_t tag);
   UcxTagged recv_tagged(void* buf, size_t bytes, uint64_t tag, uint64_t mask);
+  // A message that arrived and that no receive has matched yet, the earliest with
+  // (tag & mask) == (its tag & mask): null when there is none. `take` takes it out of UCX's
+  // matching (then recv_taken must receive it); otherwise a later receive may still match it.
+  // `*sender_tag`: the tag it was sent with; `*length`: its bytes.
+  void* probe_tagged(uint64_t tag, uint64_t mask, bool take, uint64_t* sender_tag, size_t* length);
+  // Receives a message that probe_tagged took (`length` bytes long): one already here in full
+  // is copied now, without waiting for a progress of the worker.
+  UcxTagged recv_taken(void* message, size_t length, void* buf, size_t bytes);
   // Whether it is done; then `error` says why it failed ("" on success) and, for a receive,
   // `received` how many bytes arrived.
   bool tagged_done(const UcxTagged& t, std::string* error, size_t* received);
