@@ -27,6 +27,9 @@ one partial sum).
 Weights: a model of that many bytes (8 fp32 tensors) trained TP 2 on host 0's ranks, taken whole
 by a replica on each rank of host 1 (WeightChannel publish / update: every byte crosses the link
 once per replica), against gloo broadcasts of each trainer shard from its owner to every rank.
+Coalesced: 8 tensors holding that many bytes per rank in all (sizes up to 4 MiB), all-reduced
+and all-gathered in one dist._coalescing_manager block with a device (as DeepSpeed's ZeRO-3
+issues them), against the same 8 ops one by one. --parts picks the sections to run.
 AFD: one layer's attention-FFN exchange (bench_afd.py's decode shapes at H 4096, 64 experts,
 top-8, bf16) with host 0's ranks as attention ranks and host 1's as FFN ranks, cam's AfdChannel
 against the same exchange written with all_to_all_single over flat gloo and over cam.
@@ -49,6 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HOSTS, PER_HOST = 2, 2
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+PARTS = ("collectives", "kv", "moe", "weights", "afd", "coalesced")
+COALESCED_TENSORS, COALESCED_MAX_BYTES = 8, 4 << 20
 
 
 def parse_size(s: str) -> int:
@@ -144,7 +149,7 @@ def worker(args) -> None:
     store = dist.distributed_c10d._get_default_store()
     raw = raw_link(rank, store, args.samples)
     rows = []
-    for op in OPS:
+    for op in OPS if "collectives" in args.parts else ():
         for nbytes in args.sizes:
             n = max(1, nbytes // 4)
             x = torch.ones(n)
@@ -171,10 +176,12 @@ def worker(args) -> None:
             if op == "all_reduce" and nbytes <= 4096:
                 row["one_host_s"] = timed_slowest(lambda: dist.all_reduce(x, group=local), gloo, args.samples)
             rows.append(row)
-    rows += kv_rows(rank, gloo, args)
-    rows += moe_rows(rank, world, gloo, args)
-    rows += weights_rows(rank, gloo, args)
-    rows += afd_rows(rank, gloo, args)
+    parts = {"kv": lambda: kv_rows(rank, gloo, args), "moe": lambda: moe_rows(rank, world, gloo, args),
+             "weights": lambda: weights_rows(rank, gloo, args), "afd": lambda: afd_rows(rank, gloo, args),
+             "coalesced": lambda: coalesced_rows(rank, world, gloo, args)}
+    for name, part in parts.items():
+        if name in args.parts:
+            rows += part()
     raws = [None] * world
     dist.all_gather_object(raws, raw, group=gloo)
     if rank == 0:
@@ -302,6 +309,39 @@ def moe_rows(rank: int, world: int, gloo, args) -> list[dict]:
     return rows
 
 
+def coalesced_rows(rank: int, world: int, gloo, args) -> list[dict]:
+    """8 all_reduces and 8 all_gathers as one coalescing block each, against one by one."""
+    import torch
+    import torch.distributed as dist
+    from _harness import timed_slowest
+
+    cpu = torch.device("cpu")
+    rows = []
+    for nbytes in (b for b in args.sizes if b <= COALESCED_MAX_BYTES):
+        n = max(1, nbytes // (4 * COALESCED_TENSORS))
+        ts = [torch.ones(n) for _ in range(COALESCED_TENSORS)]
+        outs = [torch.empty(world * n) for _ in ts]
+
+        def all_reduce():
+            for t in ts:
+                dist.all_reduce(t)
+
+        def all_gather():
+            for o, t in zip(outs, ts):
+                dist.all_gather_into_tensor(o, t)
+
+        def block(ops):
+            with dist._coalescing_manager(device=cpu):
+                ops()
+
+        rows.append({"op": "coalesced", "bytes": COALESCED_TENSORS * n * 4,
+                     "ar_block_s": timed_slowest(lambda: block(all_reduce), gloo, args.samples),
+                     "ar_each_s": timed_slowest(all_reduce, gloo, args.samples),
+                     "ag_block_s": timed_slowest(lambda: block(all_gather), gloo, args.samples),
+                     "ag_each_s": timed_slowest(all_gather, gloo, args.samples)})
+    return rows
+
+
 def weights_rows(rank: int, gloo, args) -> list[dict]:
     """WeightChannel from host 0's trainers (TP 2) to a replica on each rank of host 1 (see the
     module docstring), against gloo broadcasts of the same shards."""
@@ -399,7 +439,7 @@ def run_one(rate: str, args) -> dict:
         cmd += ["--rate", rate]
     cmd += [str(HOSTS), str(PER_HOST), "--", os.path.abspath(__file__), "--worker", "--out", out,
             "--samples", str(args.samples), "--sizes", ",".join(str(s) for s in args.sizes),
-            "--moe-topk", str(args.moe_topk)]
+            "--moe-topk", str(args.moe_topk), "--parts", ",".join(args.parts)]
     env = dict(os.environ, MULTIHOST_PYTHON=sys.executable, OMP_NUM_THREADS="1")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
@@ -422,7 +462,7 @@ def table(rate: str, res: dict) -> list[str]:
              "| op | size per rank | cam ms | cam (gloo) ms | flat gloo ms | gloo / cam | cam (gloo) / cam | cam link GB/s | of raw stream |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        if r["op"] in ("kv", "moe", "weights", "afd"):
+        if r["op"] not in OPS:
             continue
         link = link_bytes(r["op"], r["bytes"]) / r["cam_s"]
         cg = r.get("cam_gloo_s")
@@ -495,6 +535,18 @@ def table(rate: str, res: dict) -> list[str]:
         for r in afd:
             lines.append(f"| {r['bs']} | {r['cam_s'] * 1e3:.3f} | {r['gloo_s'] * 1e3:.3f} | {r['a2a_cam_s'] * 1e3:.3f} | "
                          f"{r['gloo_s'] / r['cam_s']:.2f}x | {r['a2a_cam_s'] / r['cam_s']:.2f}x |")
+    coalesced = [r for r in res["rows"] if r["op"] == "coalesced"]
+    if coalesced:
+        lines += ["", f"Coalescing blocks: {COALESCED_TENSORS} tensors holding the bytes per rank in all, in one "
+                  "dist._coalescing_manager block with a device (small tensors move as one op), against the same "
+                  "ops one by one:", "",
+                  "| bytes per rank | all_reduce block ms | one by one ms | one by one / block | "
+                  "all_gather block ms | one by one ms | one by one / block |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in coalesced:
+            lines.append(f"| {human(r['bytes'])} | {r['ar_block_s'] * 1e3:.3f} | {r['ar_each_s'] * 1e3:.3f} | "
+                         f"{r['ar_each_s'] / r['ar_block_s']:.2f}x | {r['ag_block_s'] * 1e3:.3f} | "
+                         f"{r['ag_each_s'] * 1e3:.3f} | {r['ag_each_s'] / r['ag_block_s']:.2f}x |")
     small = [r for r in res["rows"] if "one_host_s" in r]
     for r in small:
         bound = 2 * rtt + r["one_host_s"]
@@ -514,9 +566,14 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=5)
     p.add_argument("--moe-topk", type=int, default=4, help="experts per token of the MoE rows (of 16)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per shaping")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"sections to run, comma-separated, of {','.join(PARTS)}")
     p.add_argument("--write", action="store_true", help="also write benchmarks/results_multihost.md")
     args = p.parse_args()
     args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    args.parts = args.parts.split(",")
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(PARTS)}")
     if args.worker:
         worker(args)
         return

@@ -141,6 +141,7 @@ def check_all(rank: int, world: int) -> list[str]:
             expect(f"send/recv {rank}<->{peer} n={n}", got, everyone[peer] * 2)
     bad += _check_queued_and_unwaited(rank, world, expect)
     bad += _check_recv_any_source(rank, world, expect)
+    _check_coalescing_blocks(rank, world, expect)
     dist.barrier()
     import torch_cam
     torch_cam.monitored_barrier(wait_all_ranks=True)
@@ -182,6 +183,61 @@ def _check_queued_and_unwaited(rank, world, expect) -> list[str]:
             expect(f"all_reduce waited through its Future after {idle_s} s idle", x,
                    torch.full((4,), float(world * (world + 1) // 2)))
     return bad
+
+
+def _check_coalescing_blocks(rank, world, expect):
+    """dist._coalescing_manager with a device, as DeepSpeed's ZeRO-3 uses it: blocks of
+    all_reduce (small and rail-sized), all_gather_into_tensor and reduce_scatter_tensor, waited
+    through the block's Work or at its end, and a block of isend / irecv around a ring."""
+    cpu = torch.device("cpu")
+    local = dist.group.WORLD._get_backend(cpu).local  # this host's cam group: counts its ops
+
+    def block(op, calls):
+        """Runs calls in one block; returns how many ops the host's cam group ran for it."""
+        before = local._get_sequence_number_for_group()
+        with dist._coalescing_manager(device=cpu, async_ops=True) as cm:
+            for c in calls:
+                op(*c)
+        cm.wait()
+        return local._get_sequence_number_for_group() - before
+
+    # Small tensors of one dtype move as one op; an int64 one splits the run; one of 128 KiB
+    # (past the fusion size) and AVG go through too.
+    dtypes = (torch.float32, torch.float32, torch.int64, torch.float32, torch.float32, torch.float32)
+    sizes = (3, 1 << 13, 7, 1 << 15, 5, 11)
+    ts = [ints(n, rank, 960 + i, dt) for i, (n, dt) in enumerate(zip(sizes, dtypes))]
+    ops_fused = block(dist.all_reduce, [(t,) for t in ts])
+    for i, t in enumerate(ts):
+        expect(f"coalesced all_reduce {i}", t, sum(ints(t.numel(), r, 960 + i, t.dtype) for r in range(world)))
+    ops_one = block(dist.all_reduce, [(ints(3, rank, 0),)])
+    avg = [floats(4, rank, 967), floats(6, rank, 968)]
+    block(lambda t: dist.all_reduce(t, op=dist.ReduceOp.AVG), [(t,) for t in avg])
+    for i, t in enumerate(avg):
+        if not torch.allclose(t, sum(floats(t.numel(), r, 967 + i) for r in range(world)) / world, atol=1e-6):
+            expect(f"coalesced all_reduce AVG {i}", t, sum(floats(t.numel(), r, 967 + i) for r in range(world)) / world)
+    if ops_fused != 4 * ops_one and local.size() > 1:  # runs: [0, 1], [2], [3], [4, 5]
+        expect(f"coalesced all_reduce of 6 tensors in 4 runs: host ops {ops_fused}, one op {ops_one}",
+               torch.tensor(ops_fused), torch.tensor(4 * ops_one))
+    sizes = (5, 3, 1 << 10)
+    outs = [torch.empty(world * n) for n in sizes]
+    strided = torch.empty(world * 3, 2)[:, 0]  # not contiguous: gathered on its own
+    block(dist.all_gather_into_tensor, [(o, ints(n, rank, 962 + i)) for i, (o, n) in enumerate(zip(outs, sizes))]
+          + [(strided, ints(3, rank, 969))])
+    for i, (o, n) in enumerate(zip(outs, sizes)):
+        expect(f"coalesced all_gather_into_tensor {i}", o, torch.cat([ints(n, r, 962 + i) for r in range(world)]))
+    expect("coalesced all_gather_into_tensor, strided output", strided,
+           torch.cat([ints(3, r, 969) for r in range(world)]))
+    outs = [torch.empty(n) for n in sizes]
+    block(dist.reduce_scatter_tensor, [(o, ints(world * n, rank, 964 + i)) for i, (o, n) in enumerate(zip(outs, sizes))])
+    for i, (o, n) in enumerate(zip(outs, sizes)):
+        want = sum(ints(world * n, r, 964 + i) for r in range(world))[rank * n:(rank + 1) * n]
+        expect(f"coalesced reduce_scatter_tensor {i}", o, want)
+    got = torch.empty(4)
+    with dist._coalescing_manager(device=cpu, async_ops=True) as cm:
+        dist.isend(ints(4, rank, 966), (rank + 1) % world)
+        dist.irecv(got, (rank - 1) % world)
+    cm.wait()
+    expect("isend / irecv in a coalescing block", got, ints(4, (rank - 1) % world, 966))
 
 
 def _check_recv_any_source(rank, world, expect) -> list[str]:

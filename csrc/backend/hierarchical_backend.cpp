@@ -11,6 +11,7 @@
 
 #include "../core/errors.hpp"
 #include "../core/log.hpp"
+#include "../runtime/cam_work.hpp"
 #include "one_sided_backend.hpp"
 #ifdef CAM_HAVE_UCX
 #include "any_source_recv.hpp"
@@ -241,7 +242,28 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, s
     idle_cv_.notify_one();
     ring(wake_fd_);
   }
-  return work;
+  return noted(work);
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::noted(c10::intrusive_ptr<c10d::Work> w) {
+  std::lock_guard<std::mutex> lk(coalescing_mu_);
+  if (coalescing_) coalesced_.push_back(w);
+  return w;
+}
+
+void HierarchicalBackend::startCoalescing() {
+  std::lock_guard<std::mutex> lk(coalescing_mu_);
+  TORCH_CHECK(!coalescing_, "cam on rank ", rank_, " of group ", group_desc_,
+              ": startCoalescing while a coalescing block is open (blocks do not nest)");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> HierarchicalBackend::endCoalescing() {
+  std::lock_guard<std::mutex> lk(coalescing_mu_);
+  TORCH_CHECK(coalescing_, "cam on rank ", rank_, " of group ", group_desc_, ": endCoalescing without startCoalescing");
+  coalescing_ = false;
+  return c10::make_intrusive<CamCoalescedWork>(rank_, std::move(coalesced_));
 }
 
 void HierarchicalBackend::run_task(Task& task) {
@@ -400,15 +422,15 @@ void HierarchicalBackend::inter_step(const c10::intrusive_ptr<c10d::Work>& w) co
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   TORCH_CHECK(dst >= 0 && dst < size_ && dst != rank_, "cam send on rank ", rank_, " of group ", group_desc_,
               ": peer ", dst, " is not another rank of the group (size ", size_, ")");
-  if (map_.host_of[dst] == my_host()) return local_->send(tensors, map_.local_of[dst], tag);
-  return inter_.p2p->send(tensors, dst, tag);
+  if (map_.host_of[dst] == my_host()) return noted(local_->send(tensors, map_.local_of[dst], tag));
+  return noted(inter_.p2p->send(tensors, dst, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   TORCH_CHECK(src >= 0 && src < size_ && src != rank_, "cam recv on rank ", rank_, " of group ", group_desc_,
               ": peer ", src, " is not another rank of the group (size ", size_, ")");
-  if (map_.host_of[src] == my_host()) return local_->recv(tensors, map_.local_of[src], tag);
-  return inter_.p2p->recv(tensors, src, tag);
+  if (map_.host_of[src] == my_host()) return noted(local_->recv(tensors, map_.local_of[src], tag));
+  return noted(inter_.p2p->recv(tensors, src, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
@@ -418,10 +440,10 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::recvAnysource(std::vector<at
     TORCH_CHECK_VALUE(tensors.size() == 1, where, ": expects one tensor, got ", tensors.size());
     c10::weak_intrusive_ptr<HierarchicalBackend> self(
         c10::intrusive_ptr<HierarchicalBackend>::unsafe_reclaim_from_nonowning(this));
-    return c10::make_intrusive<AnySourceRecvWork>(rank_, group_desc_, tensors[0], tag, local_, map_.ranks[my_host()],
-                                                  remote, [self] {
-                                                    if (auto group = self.lock()) group->raise_published();
-                                                  });
+    return noted(c10::make_intrusive<AnySourceRecvWork>(
+        rank_, group_desc_, tensors[0], tag, local_, map_.ranks[my_host()], remote, [self] {
+          if (auto group = self.lock()) group->raise_published();
+        }));
   }
 #endif
   TORCH_CHECK(false, where, ": between hosts this needs UCX's tagged messages, and point-to-point between hosts runs "

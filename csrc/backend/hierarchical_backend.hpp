@@ -147,6 +147,13 @@ class HierarchicalBackend : public c10d::Backend {
   // none of the caller's own; each step still has the group's).
   void drive_until(uint64_t seq, const std::chrono::steady_clock::time_point* deadline);
 
+  // dist._coalescing_manager with a device (DeepSpeed's ZeRO-3): the ops issued between start
+  // and end run as usual (all_reduce, all_gather and reduce_scatter blocks arrive as one
+  // coalesced op, the others one by one); endCoalescing's Work completes with all of them.
+  // supportsCoalescing stays false, so batch_isend_irecv keeps issuing its ops one by one.
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override;
   void shutdown() override;
@@ -156,6 +163,8 @@ class HierarchicalBackend : public c10d::Backend {
   // Queues body on the worker; the Work's result is `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, std::string name, std::vector<at::Tensor> outputs,
                                          Body body);
+  // Notes w in the open coalescing block, if any; returns it.
+  c10::intrusive_ptr<c10d::Work> noted(c10::intrusive_ptr<c10d::Work> w);
   void worker_main();
   // The idle worker's wait when one-sided engines need serving between ops: serves each, then
   // sleeps until one has traffic, a ring (wake_fd_) or `bound`. Called and returns with `lk`
@@ -238,6 +247,9 @@ class HierarchicalBackend : public c10d::Backend {
   std::deque<Task> queue_;
   bool stop_ = false;
   uint64_t seq_ = 0;
+  std::mutex coalescing_mu_;  // guards the two below
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   uint64_t monitored_seq_ = 0;  // the driving thread only
   // (under mu_) a thread runs tasks or serves the one-sided engines: the worker, or a caller in
   // drive_until. The engines are single-threaded, and tasks run in issue order.

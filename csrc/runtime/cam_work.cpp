@@ -50,34 +50,68 @@ CamCoalescedWork::CamCoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d
     : c10d::Work(rank, c10d::OpType::COALESCED, "cam:coalesced"), works_(std::move(works)) {
   // Completes when the last op does, with every op's outputs, or with the first error seen.
   future_ = c10::make_intrusive<c10::ivalue::Future>(Op::tensor_list_type());
-  auto pending = std::make_shared<std::atomic<size_t>>(works_.size());
-  auto outputs = std::make_shared<std::vector<at::Tensor>>();
-  auto mu = std::make_shared<std::mutex>();
+  state_ = std::make_shared<Settle>();
+  state_->pending = works_.size();
   if (works_.empty()) future_->markCompleted(c10::IValue(c10::List<at::Tensor>()));
-  for (auto& w : works_) {
+  for (size_t i = 0; i < works_.size(); ++i) {
+    c10::intrusive_ptr<c10::ivalue::Future> f;
+    try {
+      f = works_[i]->getFuture();
+    } catch (const std::exception&) {  // a Work without one (gloo's send / recv): settled by wait()
+      unsettled_.push_back(i);
+      continue;
+    }
     c10::weak_intrusive_ptr<c10::ivalue::Future> weak(future_);
-    w->getFuture()->addCallback([weak, pending, outputs, mu](c10::ivalue::Future& f) {
+    f->addCallback([weak, state = state_](c10::ivalue::Future& f) {
       auto fut = weak.lock();
       if (!fut) return;
-      {
-        std::lock_guard<std::mutex> lk(*mu);
-        if (f.hasError()) {
-          if (!fut->completed()) fut->setErrorIfNeeded(f.exception_ptr());
-        } else if (f.value().isTensorList()) {
-          for (const auto& t : f.value().toTensorVector()) outputs->push_back(t);
-        }
-      }
-      if (pending->fetch_sub(1) == 1 && !fut->completed()) {
-        fut->markCompleted(c10::IValue(c10::List<at::Tensor>(*outputs)));
-      }
+      settle(*state, *fut, f.hasError() ? f.exception_ptr() : nullptr,
+             !f.hasError() && f.value().isTensorList() ? f.value().toTensorVector() : std::vector<at::Tensor>{});
     });
   }
+}
+
+void CamCoalescedWork::settle(Settle& s, c10::ivalue::Future& fut, std::exception_ptr error,
+                              const std::vector<at::Tensor>& outputs) {
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    if (error) {
+      if (!fut.completed()) fut.setErrorIfNeeded(error);
+    } else {
+      s.outputs.insert(s.outputs.end(), outputs.begin(), outputs.end());
+    }
+    if (--s.pending > 0 || fut.completed()) return;
+  }
+  fut.markCompleted(c10::IValue(c10::List<at::Tensor>(s.outputs)));
+}
+
+void CamCoalescedWork::settle_unfutured() {
+  std::lock_guard<std::mutex> lk(unsettled_mu_);
+  std::vector<size_t> left;
+  for (size_t i : unsettled_) {
+    auto& w = works_[i];
+    if (!w->isCompleted()) {
+      left.push_back(i);
+      continue;
+    }
+    const std::exception_ptr error = w->exception();
+    std::vector<at::Tensor> outputs;
+    if (!error) {
+      try {
+        outputs = w->result();
+      } catch (const std::exception&) {  // a Work that keeps no result
+      }
+    }
+    settle(*state_, *future_, error, outputs);
+  }
+  unsettled_ = std::move(left);
 }
 
 bool CamCoalescedWork::isCompleted() {
   for (auto& w : works_) {
     if (!w->isCompleted()) return false;
   }
+  settle_unfutured();
   return true;
 }
 
@@ -98,6 +132,7 @@ std::vector<at::Tensor> CamCoalescedWork::result() {
 
 bool CamCoalescedWork::wait(std::chrono::milliseconds timeout) {
   for (auto& w : works_) w->wait(timeout);
+  settle_unfutured();
   return true;
 }
 

@@ -4,6 +4,8 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <mutex>
+
 #include "engine.hpp"
 
 namespace cam {
@@ -31,7 +33,9 @@ class CamWork : public c10d::Work {
 };
 
 // The Work of a coalesced block (dist._coalescing_manager with a device, as DeepSpeed's ZeRO-3
-// uses): the block's ops were issued as usual; this waits for all of them.
+// uses): the block's ops were issued as usual; this waits for all of them. Its Future completes
+// when the last op's does; an op whose Work has no Future (gloo's send / recv, in a block of a
+// group across hosts) counts once wait() or isCompleted() has seen it done.
 class CamCoalescedWork : public c10d::Work {
  public:
   CamCoalescedWork(int rank, std::vector<c10::intrusive_ptr<c10d::Work>> works);
@@ -45,8 +49,21 @@ class CamCoalescedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  struct Settle {  // shared with the ops' Future callbacks
+    std::mutex mu;
+    size_t pending = 0;
+    std::vector<at::Tensor> outputs;
+  };
+  // One op finished: its error fails the block's Future, the last completes it.
+  static void settle(Settle& s, c10::ivalue::Future& fut, std::exception_ptr error,
+                     const std::vector<at::Tensor>& outputs);
+  void settle_unfutured();
+
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<Settle> state_;
+  std::mutex unsettled_mu_;
+  std::vector<size_t> unsettled_;  // works_ without a Future, not yet counted
 };
 
 }  // namespace cam
