@@ -225,7 +225,8 @@ def get_cam_backend(group=None) -> "_C.CamBackend":
             f"torch_cam: group {pg.group_name!r} spans {len(names)} hosts ({', '.join(names)}); this "
             "operation reads and writes peers' memory directly, which needs every rank of the group on "
             "one host (between hosts it needs one-sided operations over UCX, which torch_cam's "
-            "collectives use but this operation does not yet). Collectives, point-to-point, MoE "
+            "collectives use but this operation does not yet). Collectives, point-to-point, "
+            "torch_cam.all_reduce_, MoE "
             "dispatch / combine, the MoE Buffer, torch_cam.kv.KVTransfer, torch_cam.weights.WeightChannel and "
             "torch_cam.afd.AfdChannel work across hosts")
     raise RuntimeError(f"torch_cam: group {pg.group_name!r} is not a cam group "

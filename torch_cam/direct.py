@@ -3,7 +3,9 @@
 ``dist.all_reduce`` costs a few microseconds of Python and dispatch per call before the
 backend sees it (argument checks, logging wrappers, the dispatcher, a Work object). For
 latency-bound callers, tensor-parallel inference above all, ``torch_cam.all_reduce_`` goes
-straight to the group's cam backend: same algorithm, same results, same errors.
+straight to the group's cam backend: same algorithm, same results, same errors. On a group
+whose ranks span hosts it calls that group's own all_reduce (cam inside each host, the
+inter-host engine between them) the same way.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .backend import get_cam_backend
+from . import _C
+from .backend import get_cam_backend, spanning_backend
 
 
 # The last group used and its backend: the lookup costs about as much as the collective.
@@ -26,7 +29,7 @@ def _backend(group):
         backend = _last[1]()
         if backend is not None:
             return backend
-    backend = get_cam_backend(pg)
+    backend = spanning_backend(pg) or get_cam_backend(pg)
     _last = (id(pg), weakref.ref(backend))
     return backend
 
@@ -34,5 +37,11 @@ def _backend(group):
 def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In place, blocking: ``tensor`` becomes the reduction over the ranks of ``group``
     (default: the world group). Returns ``tensor``."""
+    backend = _backend(group)
+    if isinstance(backend, _C.HierarchicalBackend):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.RedOpType(op) if isinstance(op, int) else op
+        backend.allreduce([tensor], opts).wait()
+        return tensor
     code = op.value if hasattr(op, "value") else int(op)
-    return _backend(group).all_reduce_(tensor, code)
+    return backend.all_reduce_(tensor, code)
