@@ -13,6 +13,9 @@
 //     or at the deadline.
 //   - A Work dropped before it completes leaves its request and tensor with the backend until
 //     UCX is done with them (a receive is cancelled first): no buffer is freed under UCX.
+//   - A receive from any source is not posted here: any_arrived() probes for a message of the
+//     tag from any sender, leaving it to UCX's matching, and recv_arrived() takes and receives
+//     it, so that the caller can withdraw its receive on its own host between the two.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -43,7 +46,7 @@ class UcxP2PBackend : public c10d::Backend {
   // Sleeps until such a message arrives (woken by the server's pass) or `for_at_most` passes.
   void await_any(int tag, std::chrono::microseconds for_at_most);
   c10::intrusive_ptr<c10d::Work> recv_arrived(std::vector<at::Tensor>& tensors, int tag, int* src);
-  // The first rank whose endpoint failed, said as "rank 3 (host) its UCX endpoint failed ...";
+  // The first rank whose endpoint failed, said as "rank 3 its UCX endpoint failed with ...";
   // "" while none has. A receive from any source gives up on it, as cam's does on a dead peer.
   std::string lost_rank();
 
