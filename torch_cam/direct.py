@@ -14,12 +14,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _C
 from .backend import get_cam_backend, spanning_backend
 
 
-# The last group used and its backend: the lookup costs about as much as the collective.
-_last = (None, lambda: None)
+# The last group used, its backend and whether it spans hosts: the lookup costs about as much
+# as the collective.
+_last = (None, lambda: None, False)
 
 
 def _backend(group):
@@ -28,17 +28,18 @@ def _backend(group):
     if _last[0] == id(pg):
         backend = _last[1]()
         if backend is not None:
-            return backend
-    backend = spanning_backend(pg) or get_cam_backend(pg)
-    _last = (id(pg), weakref.ref(backend))
-    return backend
+            return backend, _last[2]
+    spanning = spanning_backend(pg)
+    backend = spanning if spanning is not None else get_cam_backend(pg)
+    _last = (id(pg), weakref.ref(backend), spanning is not None)
+    return backend, _last[2]
 
 
 def all_reduce_(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In place, blocking: ``tensor`` becomes the reduction over the ranks of ``group``
     (default: the world group). Returns ``tensor``."""
-    backend = _backend(group)
-    if isinstance(backend, _C.HierarchicalBackend):
+    backend, spans_hosts = _backend(group)
+    if spans_hosts:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.RedOpType(op) if isinstance(op, int) else op
         backend.allreduce([tensor], opts).wait()

@@ -75,8 +75,8 @@ bool AnySourceRecvWork::isCompleted() {
     std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
     if (!lk.owns_lock() || !pass()) return false;
   }
-  if (!future_->completed()) {
-    if (error_) future_->setErrorIfNeeded(error_);
+  if (!future_set_.exchange(true)) {  // two threads may both see it finished
+    if (error_) future_->setError(error_);
     else future_->markCompleted(c10::IValue(std::vector<at::Tensor>{tensor_}));
   }
   return true;

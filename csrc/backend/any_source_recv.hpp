@@ -70,6 +70,7 @@ class AnySourceRecvWork : public c10d::Work {
   c10::intrusive_ptr<c10d::Work> remote_work_;  // the UCX message taken
   int remote_src_ = -1;
   std::atomic<bool> finished_{false};
+  std::atomic<bool> future_set_{false};
   int source_ = -1;
   std::exception_ptr error_;
 };

@@ -246,23 +246,25 @@ c10::intrusive_ptr<c10d::Work> HierarchicalBackend::enqueue(c10d::OpType type, s
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::noted(c10::intrusive_ptr<c10d::Work> w) {
+  if (!coalescing_.load(std::memory_order_relaxed)) return w;  // every op outside a block: no lock
   std::lock_guard<std::mutex> lk(coalescing_mu_);
-  if (coalescing_) coalesced_.push_back(w);
+  if (coalescing_.load(std::memory_order_relaxed)) coalesced_.push_back(w);
   return w;
 }
 
 void HierarchicalBackend::startCoalescing() {
   std::lock_guard<std::mutex> lk(coalescing_mu_);
-  TORCH_CHECK(!coalescing_, "cam on rank ", rank_, " of group ", group_desc_,
+  TORCH_CHECK(!coalescing_.load(), "cam on rank ", rank_, " of group ", group_desc_,
               ": startCoalescing while a coalescing block is open (blocks do not nest)");
-  coalescing_ = true;
   coalesced_.clear();
+  coalescing_.store(true);
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalBackend::endCoalescing() {
   std::lock_guard<std::mutex> lk(coalescing_mu_);
-  TORCH_CHECK(coalescing_, "cam on rank ", rank_, " of group ", group_desc_, ": endCoalescing without startCoalescing");
-  coalescing_ = false;
+  TORCH_CHECK(coalescing_.load(), "cam on rank ", rank_, " of group ", group_desc_,
+              ": endCoalescing without startCoalescing");
+  coalescing_.store(false);
   return c10::make_intrusive<CamCoalescedWork>(rank_, std::move(coalesced_));
 }
 

@@ -31,6 +31,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -247,8 +248,10 @@ class HierarchicalBackend : public c10d::Backend {
   std::deque<Task> queue_;
   bool stop_ = false;
   uint64_t seq_ = 0;
-  std::mutex coalescing_mu_;  // guards the two below
-  bool coalescing_ = false;
+  // A coalescing block is open (written under coalescing_mu_, read without it first by every
+  // op), and the Works issued in it (under coalescing_mu_).
+  std::mutex coalescing_mu_;
+  std::atomic<bool> coalescing_{false};
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
   uint64_t monitored_seq_ = 0;  // the driving thread only
   // (under mu_) a thread runs tasks or serves the one-sided engines: the worker, or a caller in

@@ -14,6 +14,13 @@ namespace {
 uint64_t wire_tag(int sender, int tag) { return (uint64_t(uint32_t(sender)) << 32) | uint32_t(tag); }
 constexpr uint64_t kAnySender = 0xffffffffull;  // the mask that matches a tag from every sender
 
+// Whether a message with `tag` from any sender waits unmatched (left to UCX's matching).
+bool arrived(UcxTransport& x, int tag) {
+  uint64_t sender_tag = 0;
+  size_t length = 0;
+  return x.probe_tagged(uint32_t(tag), kAnySender, false, &sender_tag, &length) != nullptr;
+}
+
 class UcxP2PWork : public c10d::Work {
  public:
   UcxP2PWork(std::shared_ptr<UcxP2PBackend::State> state, UcxTagged request, at::Tensor user, at::Tensor buffer,
@@ -173,21 +180,11 @@ c10::intrusive_ptr<c10d::Work> UcxP2PBackend::recv(std::vector<at::Tensor>& tens
 }
 
 bool UcxP2PBackend::any_arrived(int tag) {
-  uint64_t sender_tag = 0;
-  size_t length = 0;
-  return state_->ucx.inspect([&](UcxTransport& x) {
-    return x.probe_tagged(uint32_t(tag), kAnySender, false, &sender_tag, &length) != nullptr;
-  });
+  return state_->ucx.inspect([&](UcxTransport& x) { return arrived(x, tag); });
 }
 
 void UcxP2PBackend::await_any(int tag, std::chrono::microseconds for_at_most) {
-  uint64_t sender_tag = 0;
-  size_t length = 0;
-  state_->ucx.wait_for(
-      [&](UcxTransport& x) {
-        return x.probe_tagged(uint32_t(tag), kAnySender, false, &sender_tag, &length) != nullptr;
-      },
-      for_at_most);
+  state_->ucx.wait_for([&](UcxTransport& x) { return arrived(x, tag); }, for_at_most);
 }
 
 std::string UcxP2PBackend::lost_rank() {
