@@ -27,7 +27,18 @@ check() {  # check <hosts> <ranks per host> <script> [args]
   MULTIHOST_PYTHON=$PY "$tool" --torchrun --timeout 240 ${shape:-} "$1" "$2" -- "${@:3}" >"$log" 2>&1
   local rc=$?
   grep -E "\] rank [0-9]+ raised after|\] rank [0-9]+: |^multihost: (ok|FAIL)" "$log"
-  if [ $rc != 0 ]; then tail -n 40 "$log"; echo "FAILED: $1 x $2 ${*:3} (exit $rc)"; status=1; fi
+  if [ $rc != 0 ]; then
+    # torchrun's report of a failed child fills the log's tail; what the ranks said (tracebacks as
+    # "[rankN]:" lines, the checks' "rank N:" verdicts) comes last, beside the verdict, so that
+    # an excerpt around it names the cause.
+    local said="\[rank[0-9]+\]:|\] rank [0-9]+: "
+    if grep -q -E "$said" "$log"; then
+      echo "-- what the ranks said:"; grep -E "$said" "$log" | tail -n 40
+    else
+      tail -n 40 "$log"
+    fi
+    echo "FAILED: $1 x $2 ${*:3} (exit $rc)"; status=1
+  fi
 }
 log=$(mktemp "${TMPDIR:-/tmp}/torch_cam_multihost.XXXXXX")
 trap 'rm -f "$log"' EXIT
