@@ -323,7 +323,7 @@ class AfdChannel:
 
     def _wait(self, op: str, peer: int, counters: torch.Tensor, index: int, target: int, what: str):
         if self._remote(peer):   # a counter that peer puts into this rank's memory over UCX
-            why = self._link.wait_signal(self._backend, peer, counters, index, target, self.timeout)
+            why = self._link.wait_signal(peer, counters, index, target, self.timeout)
             if why and why != "timeout":
                 why = f"is unreachable ({why})"
         else:

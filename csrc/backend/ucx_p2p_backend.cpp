@@ -62,7 +62,7 @@ class UcxP2PWork : public c10d::Work {
     while (true) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      const bool done = state_->ucx.wait_for(
+      const bool done = state_->ucx.drive(
           [&](UcxTransport& t) { return t.tagged_done(request_, &error, &received); },
           std::clamp(left, std::chrono::milliseconds(0), interval));
       if (done) return finish(error, received);
@@ -74,7 +74,7 @@ class UcxP2PWork : public c10d::Work {
 
   // The request is done: release it, judge it, and give a strided receiver its bytes.
   void finish(const std::string& error, size_t received) {
-    state_->ucx.locked([&](UcxTransport& t) { t.release(request_); });
+    state_->ucx.inspect([&](UcxTransport& t) { t.release(request_); });  // frees, starts nothing
     finished_ = true;
     error_ = outcome(error, received);
     if (error_.empty() && buffer_.data_ptr() != user_.data_ptr()) user_.copy_(buffer_);
@@ -184,7 +184,7 @@ bool UcxP2PBackend::any_arrived(int tag) {
 }
 
 void UcxP2PBackend::await_any(int tag, std::chrono::microseconds for_at_most) {
-  state_->ucx.wait_for([&](UcxTransport& x) { return arrived(x, tag); }, for_at_most);
+  state_->ucx.drive([&](UcxTransport& x) { return arrived(x, tag); }, for_at_most);
 }
 
 std::string UcxP2PBackend::lost_rank() {

@@ -310,21 +310,16 @@ PYBIND11_MODULE(_C, m) {
            "Why peer is unreachable over UCX; empty while its endpoint is up")
       .def(
           "wait_signal",
-          [](cam::UcxArenaLink& l, const cam::CamBackend& host, int peer, const at::Tensor& counters, int64_t index,
-             int64_t target, double timeout_s) {
+          [](cam::UcxArenaLink& l, int peer, const at::Tensor& counters, int64_t index, int64_t target,
+             double timeout_s) {
             TORCH_CHECK(counters.scalar_type() == at::kLong && counters.is_contiguous() && index >= 0 &&
                             index < counters.numel(),
                         "cam wait_signal: expected a contiguous int64 tensor and an index inside it");
             const auto& counter = reinterpret_cast<const uint64_t*>(counters.data_ptr<int64_t>())[index];
-            const auto& cfg = host.engine()->config();
             py::gil_scoped_release nogil;
-            // A peer of another host puts the counter: no bell rings here, so sleeps are plain.
-            cam::Backoff backoff(cfg.spin_us, cfg.yield_us, cfg.sleep_max_us);
-            return cam::wait_for_signal(counter, target, timeout_s, backoff, cfg.liveness_interval_ms,
-                                        [&] { return l.peer_failure(peer); });
+            return l.wait_signal(counter, uint64_t(target), timeout_s, peer);
           },
-          py::arg("host"), py::arg("peer"), py::arg("counters"), py::arg("index"), py::arg("target"),
-          py::arg("timeout_s"),
+          py::arg("peer"), py::arg("counters"), py::arg("index"), py::arg("target"), py::arg("timeout_s"),
           "Wait until counters[index] (this rank's memory, put by peer over UCX) >= target: '' when reached, "
           "'timeout', or why the peer is unreachable");
 #endif

@@ -1,6 +1,10 @@
 #include "ucx_arena_link.hpp"
 
+#include <algorithm>
+#include <chrono>
+
 #include "../core/errors.hpp"
+#include "signal.hpp"
 
 namespace cam {
 
@@ -84,6 +88,21 @@ void UcxArenaLink::write(const std::vector<Write>& data, const std::vector<Write
 
 std::string UcxArenaLink::peer_failure(int peer) {
   return locked([&](UcxTransport& t) { return t.peer_failure(peer); });
+}
+
+std::string UcxArenaLink::wait_signal(const uint64_t& counter, uint64_t target, double timeout_s, int peer) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto interval = std::chrono::microseconds(std::chrono::milliseconds(ucx_->options().liveness_interval_ms));
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - clock::now());
+    if (ucx_->drive([&](UcxTransport&) { return signal_acquire(counter) >= target; },
+                    std::clamp(left, std::chrono::microseconds(0), interval)))
+      return {};
+    std::string why = ucx_->inspect([&](UcxTransport& t) { return t.peer_failure(peer); });
+    if (!why.empty()) return why;
+    if (clock::now() >= deadline) return "timeout";
+  }
 }
 
 }  // namespace cam

@@ -58,6 +58,10 @@ class UcxArenaLink {
   void write(const std::vector<Write>& data, const std::vector<Write>& after, const std::string& what);
   // Why `peer` is unreachable ("" while its endpoint is up).
   std::string peer_failure(int peer);
+  // Waits until `counter` (this rank's memory, which `peer` puts over UCX) reaches `target`:
+  // "" then, "timeout" after timeout_s, or why the peer became unreachable. Progresses the
+  // worker itself (SharedUcx::drive): the put that raises the counter wakes this thread.
+  std::string wait_signal(const uint64_t& counter, uint64_t target, double timeout_s, int peer);
 
   template <class F>
   auto locked(F&& f) {

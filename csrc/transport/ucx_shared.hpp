@@ -4,10 +4,19 @@
 // (a rendezvous send moves only while both sides progress).
 //
 // Contract:
-//   - Every use of the transport runs under the lock (locked()); after it the server re-arms.
+//   - Every use of the transport runs under the lock (locked()); after it the server re-arms
+//     and the threads parked in drive() look again.
 //   - The server thread progresses the worker whenever traffic arrives (it sleeps on the
-//     worker's event descriptor, at most one liveness interval, and burns no core), then wakes
-//     every thread in wait_for(): completions are seen by waiters without a progress of their own.
+//     worker's event descriptor, at most one liveness interval, and burns no core), so that
+//     peers' gets and puts on this rank's memory, and rendezvous sends, move while no thread
+//     of this process waits.
+//   - A thread that waits for something (drive()) progresses the worker itself and sleeps on
+//     the same descriptor: arriving traffic wakes it directly, not through the server's pass and
+//     a second wake-up (a thread hand-off costs tens of µs on a loaded core). A pass that moves
+//     something, and every use under locked(), tells each thread parked in drive() (its own
+//     eventfd), so a completion carried out by another thread is never slept through. While a
+//     thread is parked the server stands down (it would be a second thread woken by each
+//     arrival); the last to leave calls it back.
 //   - A lost peer fails only what is addressed to it (UcxOptions::lost_peer_fails_waits off).
 #pragma once
 
@@ -15,10 +24,10 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "ucx_transport.hpp"
 
@@ -41,6 +50,10 @@ class SharedUcx {
       ~Wake() { t.wake(); }
     } wake{*transport_};
     std::lock_guard<std::mutex> lk(mu_);
+    struct Tell {  // f may have progressed the worker (complete()): what it finished is told
+      SharedUcx& s;
+      ~Tell() { s.tell_parked(-1); }
+    } tell{*this};
     return f(*transport_);
   }
 
@@ -53,20 +66,52 @@ class SharedUcx {
   }
 
   // Waits until done(transport) (called under the lock) holds or `for_at_most` passes; false
-  // on the latter. Woken after every pass of the server.
+  // on the latter. Progresses the worker itself between sleeps on its event descriptor.
   template <class F>
-  bool wait_for(F&& done, std::chrono::microseconds for_at_most) {
-    std::unique_lock<std::mutex> lk(mu_);
-    return served_.wait_for(lk, for_at_most, [&] { return done(*transport_); });
+  bool drive(F&& done, std::chrono::microseconds for_at_most) {
+    const auto deadline = std::chrono::steady_clock::now() + for_at_most;
+    Parked parked(*this);
+    while (true) {
+      bool armed;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        parked.clear();  // a pass from here on is this thread's own, or tells it again
+        armed = pass(parked.fd());
+        if (done(*transport_)) return true;
+      }
+      if (!armed) continue;  // events were queued: progress them first
+      const auto left = deadline - std::chrono::steady_clock::now();
+      if (left <= std::chrono::steady_clock::duration::zero()) return false;
+      parked.sleep(std::chrono::duration_cast<std::chrono::microseconds>(left));
+    }
   }
 
  private:
+  // A thread in drive(): its eventfd is on the list that every moving pass writes to.
+  class Parked {
+   public:
+    explicit Parked(SharedUcx& owner);
+    ~Parked();
+    void clear();                                 // under the lock
+    void sleep(std::chrono::microseconds at_most);  // on the worker's descriptor and its own
+    int fd() const { return fd_; }
+
+   private:
+    SharedUcx& owner_;
+    int fd_;
+  };
+
+  // Under the lock: progresses until nothing moves and arms the event descriptor (false:
+  // events came in meanwhile); tells every parked thread but `self` when something moved.
+  bool pass(int self);
+  void tell_parked(int self);  // under the lock
   void serve();
 
   std::unique_ptr<UcxTransport> transport_;
   int64_t interval_ms_;
   std::mutex mu_;
-  std::condition_variable served_;
+  std::vector<int> parked_;  // under mu_
+  int standby_fd_;           // eventfd: the last parked thread left
   std::atomic<bool> stop_{false};
   std::thread server_;
 };

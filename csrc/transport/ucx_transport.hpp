@@ -163,6 +163,9 @@ class UcxTransport : public OneSidedTransport {
   // fit the socket: progresses until nothing moves and arms the event descriptor. False when
   // events were already queued (call again before sleeping).
   bool drain_and_arm() override;
+  // Progresses the worker once; true when something moved (over TCP this also serves peers'
+  // reads of this rank's memory).
+  bool progress() override;
   int event_fd() const override { return efd_; }
   // Ends a sleep on event_fd() from any thread (ucp_worker_signal).
   void wake();
@@ -172,8 +175,6 @@ class UcxTransport : public OneSidedTransport {
   std::chrono::milliseconds liveness_interval() const override {
     return std::chrono::milliseconds(opts_.liveness_interval_ms);
   }
-  // Progresses the worker (over TCP this also serves peers' reads of this rank's memory).
-  bool progress() override;
   std::string lost_peer() const override;
   // Spins for spin_us, then sleeps on the worker's event descriptor (woken by arriving traffic;
   // at most 1 ms, for RDMA atomics that raise no event).
