@@ -92,7 +92,8 @@ std::string UcxArenaLink::peer_failure(int peer) {
 
 std::string UcxArenaLink::wait_signal(const uint64_t& counter, uint64_t target, double timeout_s, int peer) {
   using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
   const auto interval = std::chrono::microseconds(std::chrono::milliseconds(ucx_->options().liveness_interval_ms));
   while (true) {
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - clock::now());
