@@ -43,7 +43,8 @@ class UcxP2PBackend : public c10d::Backend {
   // the earliest such into `tensors`, `*src` its sender (null when none is left: a receive
   // posted meanwhile matched it).
   bool any_arrived(int tag);
-  // Sleeps until such a message arrives (woken by the server's pass) or `for_at_most` passes.
+  // Waits until such a message arrives (this thread progresses UCX meanwhile) or `for_at_most`
+  // passes.
   void await_any(int tag, std::chrono::microseconds for_at_most);
   c10::intrusive_ptr<c10d::Work> recv_arrived(std::vector<at::Tensor>& tensors, int tag, int* src);
   // The first rank whose endpoint failed, said as "rank 3 its UCX endpoint failed with ...";

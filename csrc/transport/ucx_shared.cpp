@@ -17,7 +17,8 @@ SharedUcx::SharedUcx(c10::intrusive_ptr<c10d::Store> store, UcxOptions opts)
   opts.lost_peer_fails_waits = false;
   transport_ = std::make_unique<UcxTransport>(std::move(store), opts);
   standby_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  TORCH_CHECK(standby_fd_ >= 0, "cam: eventfd failed: ", std::strerror(errno));
+  TORCH_CHECK(standby_fd_ >= 0, "cam UCX link on rank ", opts.rank, " of group ", opts.group_desc,
+              ": eventfd failed: ", std::strerror(errno));
   server_ = std::thread([this] { serve(); });
 }
 
@@ -31,16 +32,16 @@ SharedUcx::~SharedUcx() {
 
 bool SharedUcx::pass(int self) {
   bool moved = false;
-  while (transport_->progress()) moved = true;
-  const bool armed = transport_->drain_and_arm();
+  const bool armed = transport_->drain_and_arm(&moved);
   if (moved) tell_parked(self);
   return armed;
 }
 
-void SharedUcx::tell_parked(int self) {
+bool SharedUcx::tell_parked(int self) {
   for (int fd : parked_) {
     if (fd != self) (void)::eventfd_write(fd, 1);
   }
+  return !parked_.empty();
 }
 
 void SharedUcx::serve() {
@@ -64,8 +65,8 @@ void SharedUcx::serve() {
 
 namespace {
 
-// One per thread that ever waits in drive(), kept for the thread's life: a wait costs no
-// descriptor of its own.
+// One per thread that ever waits in drive(), kept for the thread's life: a wait opens no
+// descriptor of its own. -1 (errno set) when it could not be made.
 int thread_eventfd() {
   thread_local struct Fd {
     int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -73,13 +74,15 @@ int thread_eventfd() {
       if (fd >= 0) ::close(fd);
     }
   } mine;
-  TORCH_CHECK(mine.fd >= 0, "cam: eventfd failed: ", std::strerror(errno));
   return mine.fd;
 }
 
 }  // namespace
 
 SharedUcx::Parked::Parked(SharedUcx& owner) : owner_(owner), fd_(thread_eventfd()) {
+  const auto& o = owner_.options();
+  TORCH_CHECK(fd_ >= 0, "cam UCX wait on rank ", o.rank, " of group ", o.group_desc,
+              ": eventfd failed: ", std::strerror(errno));
   std::lock_guard<std::mutex> lk(owner_.mu_);
   owner_.parked_.push_back(fd_);
 }

@@ -4,8 +4,8 @@
 // (a rendezvous send moves only while both sides progress).
 //
 // Contract:
-//   - Every use of the transport runs under the lock (locked()); after it the server re-arms
-//     and the threads parked in drive() look again.
+//   - Every use of the transport runs under the lock (locked()); after it the threads parked
+//     in drive() look again, or, with none parked, the server re-arms.
 //   - The server thread progresses the worker whenever traffic arrives (it sleeps on the
 //     worker's event descriptor, at most one liveness interval, and burns no core), so that
 //     peers' gets and puts on this rank's memory, and rendezvous sends, move while no thread
@@ -42,18 +42,24 @@ class SharedUcx {
 
   const UcxOptions& options() const { return transport_->options(); }
 
-  // Runs f(transport) under the lock; the server re-arms after it.
+  // Runs f(transport) under the lock. f may have started traffic or progressed the worker
+  // (complete()): afterwards the threads parked in drive() look again, or, with none parked,
+  // the server re-arms.
   template <class F>
   auto locked(F&& f) {
-    struct Wake {
+    struct WakeServer {
       UcxTransport& t;
-      ~Wake() { t.wake(); }
+      bool needed = true;
+      ~WakeServer() {
+        if (needed) t.wake();
+      }
     } wake{*transport_};
     std::lock_guard<std::mutex> lk(mu_);
-    struct Tell {  // f may have progressed the worker (complete()): what it finished is told
+    struct Tell {
       SharedUcx& s;
-      ~Tell() { s.tell_parked(-1); }
-    } tell{*this};
+      WakeServer& w;
+      ~Tell() { w.needed = !s.tell_parked(-1); }
+    } tell{*this, wake};
     return f(*transport_);
   }
 
@@ -104,7 +110,8 @@ class SharedUcx {
   // Under the lock: progresses until nothing moves and arms the event descriptor (false:
   // events came in meanwhile); tells every parked thread but `self` when something moved.
   bool pass(int self);
-  void tell_parked(int self);  // under the lock
+  // Under the lock: writes the eventfd of every parked thread but `self`; false when none is.
+  bool tell_parked(int self);
   void serve();
 
   std::unique_ptr<UcxTransport> transport_;

@@ -458,8 +458,9 @@ std::string UcxTransport::lost_peer() const {
   return {};
 }
 
-bool UcxTransport::drain_and_arm() {
+bool UcxTransport::drain_and_arm(bool* moved) {
   while (ucp_worker_progress(worker_) != 0) {
+    if (moved) *moved = true;
   }
   // BUSY: events came in meanwhile. Any other failure to arm also returns true: the caller's
   // poll is bounded, and looping here would burn a core.

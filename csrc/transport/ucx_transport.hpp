@@ -162,10 +162,9 @@ class UcxTransport : public OneSidedTransport {
   // (over TCP the target's progress carries them out), and this rank's own sends that did not
   // fit the socket: progresses until nothing moves and arms the event descriptor. False when
   // events were already queued (call again before sleeping).
-  bool drain_and_arm() override;
-  // Progresses the worker once; true when something moved (over TCP this also serves peers'
-  // reads of this rank's memory).
-  bool progress() override;
+  bool drain_and_arm() override { return drain_and_arm(nullptr); }
+  // The same; *moved (when given) says whether anything was progressed.
+  bool drain_and_arm(bool* moved);
   int event_fd() const override { return efd_; }
   // Ends a sleep on event_fd() from any thread (ucp_worker_signal).
   void wake();
@@ -175,6 +174,8 @@ class UcxTransport : public OneSidedTransport {
   std::chrono::milliseconds liveness_interval() const override {
     return std::chrono::milliseconds(opts_.liveness_interval_ms);
   }
+  // Progresses the worker (over TCP this also serves peers' reads of this rank's memory).
+  bool progress() override;
   std::string lost_peer() const override;
   // Spins for spin_us, then sleeps on the worker's event descriptor (woken by arriving traffic;
   // at most 1 ms, for RDMA atomics that raise no event).
